@@ -1,0 +1,132 @@
+"""The ledger's database: one engine, its sessions and its Alembic migrations.
+
+SQLite (the embedded default) and PostgreSQL (production) go through the same code; the
+only differences live here, in how connections are set up.
+"""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, create_engine, event, make_url, pool
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, sessionmaker
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def migrations_dir() -> Path:
+    """The folder of the installed ``hotpool.migrations`` package (Alembic's script location).
+
+    Found without importing it: migrations import billing, not the other way round.
+    """
+    spec = find_spec("hotpool.migrations")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("package hotpool.migrations is not installed")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+class Database:
+    """An engine and session factory for a ledger at ``url`` (any SQLAlchemy URL).
+
+    Creating one does not touch the schema; call :meth:`upgrade` to migrate to the latest
+    revision. For a SQLite file the parent folder is created, and every connection gets WAL
+    journaling (readers do not block the writer), foreign keys and a busy timeout so
+    concurrent writers wait instead of failing with "database is locked".
+    """
+
+    def __init__(self, url: str, *, echo: bool = False) -> None:
+        self.url = make_url(url)
+        kwargs: dict[str, Any] = {"echo": echo}
+        if self.is_sqlite:
+            kwargs["connect_args"] = {
+                "check_same_thread": False,
+                "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000,
+            }
+            if self._sqlite_in_memory:
+                # One shared connection, or each connection would see its own empty database.
+                kwargs["poolclass"] = pool.StaticPool
+            else:
+                Path(self.url.database or "").parent.mkdir(parents=True, exist_ok=True)
+        else:
+            kwargs["pool_pre_ping"] = True
+        self.engine: Engine = create_engine(self.url, **kwargs)
+        if self.is_sqlite:
+            event.listen(self.engine, "connect", self._on_sqlite_connect)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.url.get_backend_name() == "sqlite"
+
+    @property
+    def dialect(self) -> str:
+        """``"sqlite"`` or ``"postgresql"`` (the backend name, without the driver)."""
+        return self.url.get_backend_name()
+
+    @property
+    def _sqlite_in_memory(self) -> bool:
+        return self.url.database in (None, "", ":memory:")
+
+    def _on_sqlite_connect(self, dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            if not self._sqlite_in_memory:
+                cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        finally:
+            cursor.close()
+
+    def session(self) -> Session:
+        """A new ORM session; use it as ``with db.session() as s, s.begin(): ...``."""
+        return self._sessions()
+
+    def insert(self, entity: Any) -> sqlite.Insert | postgresql.Insert:
+        """The dialect's INSERT for ``entity``, which offers ``ON CONFLICT`` clauses."""
+        if self.dialect == "sqlite":
+            return sqlite.insert(entity)
+        if self.dialect == "postgresql":
+            return postgresql.insert(entity)
+        raise NotImplementedError(f"hotpool supports sqlite and postgresql, not {self.dialect}")
+
+    def alembic_config(self) -> Config:
+        """An Alembic config for this database, built in code (there is no alembic.ini)."""
+        config = Config()
+        config.set_main_option("script_location", str(migrations_dir()))
+        config.set_main_option("path_separator", "os")
+        # ConfigParser interpolates '%'; URL-encoded passwords contain it.
+        url = self.url.render_as_string(hide_password=False).replace("%", "%%")
+        config.set_main_option("sqlalchemy.url", url)
+        return config
+
+    def upgrade(self, revision: str = "head") -> None:
+        """Migrate the schema up to ``revision`` (default: the latest)."""
+        self._run(command.upgrade, revision)
+
+    def downgrade(self, revision: str) -> None:
+        """Migrate the schema down to ``revision`` (``"base"`` drops every table)."""
+        self._run(command.downgrade, revision)
+
+    def _run(self, fn: Any, revision: str) -> None:
+        config = self.alembic_config()
+        with self.engine.begin() as connection:
+            config.attributes["connection"] = connection
+            fn(config, revision)
+
+    def current_revision(self) -> str | None:
+        """The revision the database is at, or None before the first migration."""
+        with self.engine.connect() as connection:
+            return MigrationContext.configure(connection).get_current_revision()
+
+    def dispose(self) -> None:
+        """Close every pooled connection."""
+        self.engine.dispose()
+
+    def __repr__(self) -> str:
+        return f"Database({self.url.render_as_string(hide_password=True)!r})"

@@ -1,0 +1,140 @@
+"""SQLAlchemy models of the ledger: tenants, deployments and usage events.
+
+The Alembic migrations in ``hotpool.migrations.versions`` are written by hand and must agree
+with these models; ``tests/billing/test_migrations.py`` checks that they do. Constraint names
+come from the naming convention below, so a migration names them the same way on every
+database.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+STATUSES = ("completed", "partial", "error", "cancelled")
+DEFAULT_TENANT_ID = 1
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY; BIGINT would need explicit ids.
+BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware datetime stored as UTC.
+
+    PostgreSQL keeps ``timestamptz``; SQLite has no time zones, so values are stored as naive
+    UTC and get ``tzinfo=UTC`` back when read. Naive datetimes are refused on the way in: a
+    naive value is ambiguous and would silently shift usage between buckets.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError(f"naive datetime {value.isoformat()} given; use a UTC-aware one")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Deployment(Base):
+    __tablename__ = "deployments"
+    __table_args__ = (
+        CheckConstraint("min_replicas >= 0", name="min_replicas_nonnegative"),
+        CheckConstraint("max_replicas >= 1", name="max_replicas_positive"),
+        CheckConstraint("max_replicas >= min_replicas", name="max_replicas_ge_min"),
+        CheckConstraint("target_concurrency >= 1", name="target_concurrency_positive"),
+        CheckConstraint("idle_timeout_s >= 0", name="idle_timeout_nonnegative"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    snapshot_uri: Mapped[str] = mapped_column(Text)
+    min_replicas: Mapped[int] = mapped_column(Integer, default=0)
+    max_replicas: Mapped[int] = mapped_column(Integer, default=1)
+    target_concurrency: Mapped[int] = mapped_column(Integer, default=8)
+    idle_timeout_s: Mapped[float] = mapped_column(Float, default=300.0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+
+
+class UsageEvent(Base):
+    """One request's billable usage. Append-only; ``request_id`` makes a replay a no-op."""
+
+    __tablename__ = "usage_events"
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ('completed', 'partial', 'error', 'cancelled')", name="status_valid"
+        ),
+        CheckConstraint("prompt_tokens >= 0", name="prompt_tokens_nonnegative"),
+        CheckConstraint("cached_tokens >= 0", name="cached_tokens_nonnegative"),
+        CheckConstraint("completion_tokens >= 0", name="completion_tokens_nonnegative"),
+        CheckConstraint("cached_tokens <= prompt_tokens", name="cached_le_prompt"),
+        # Usage queries filter by deployment and time range.
+        Index(None, "deployment", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(64), unique=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    # The name, not a foreign key: usage outlives the deployment it was served by.
+    deployment: Mapped[str] = mapped_column(String(128))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    queue_seconds: Mapped[float | None] = mapped_column(Float)
+    ttft_seconds: Mapped[float | None] = mapped_column(Float)
+    total_seconds: Mapped[float | None] = mapped_column(Float)
+    cold_start: Mapped[bool] = mapped_column(default=False)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)

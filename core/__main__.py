@@ -1,0 +1,3 @@
+from hotpool.cli import main
+
+main()

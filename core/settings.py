@@ -1,0 +1,126 @@
+"""Settings from ``HOTPOOL_*`` environment variables, read and validated once at start-up.
+
+A bad value raises :class:`SettingsError` whose message is one line naming the setting, so
+``hotpool serve`` can print it and exit instead of failing later with a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class SettingsError(ValueError):
+    """A ``HOTPOOL_*`` setting has a value hotpool cannot use."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the control plane and its local worker pool need to start.
+
+    The data dir (``HOTPOOL_HOME``) holds the embedded defaults: the SQLite ledger, the
+    ``file://`` object store and the workers' snapshot cache.
+    """
+
+    home: Path
+    database_url: str
+    object_store_url: str
+    cache_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"
+    max_workers: int = 2
+    worker_start_timeout_s: float = 120.0
+    default_idle_timeout_s: float = 300.0
+    queue_timeout_s: float = 300.0
+    max_queue: int = 256
+    log_level: str = "info"
+    worker_token: str | None = field(default=None, repr=False)
+
+    @property
+    def snapshots_dir(self) -> Path:
+        """Where the embedded ``file://`` object store keeps snapshots."""
+        return Path(self.object_store_url.removeprefix("file://")) / "snapshots"
+
+
+def _parse(env: Mapping[str, str], name: str, default: T, conv: Callable[[str], T]) -> T:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return conv(raw)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"{name}={raw!r} is invalid: {exc}") from None
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError("must be an integer >= 1")
+    return value
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not value > 0:
+        raise ValueError("must be a number > 0")
+    return value
+
+
+def _port(raw: str) -> int:
+    value = int(raw)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a TCP port between 0 and 65535")
+    return value
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def conv(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return value
+
+    return conv
+
+
+def _store_url(raw: str) -> str:
+    if raw.startswith("file://"):
+        return raw.rstrip("/")
+    if raw.startswith("/"):
+        return "file://" + raw.rstrip("/")
+    raise ValueError("must be a file:// URL or an absolute path (s3:// arrives with issue 5)")
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read every ``HOTPOOL_*`` setting from ``env`` (default: the process environment)."""
+    env = os.environ if env is None else env
+    home = _parse(env, "HOTPOOL_HOME", Path("~/.hotpool"), Path).expanduser().resolve()
+    return Settings(
+        home=home,
+        database_url=_parse(env, "HOTPOOL_DATABASE_URL", f"sqlite:///{home / 'hotpool.db'}", str),
+        object_store_url=_parse(
+            env, "HOTPOOL_OBJECT_STORE", f"file://{home / 'objects'}", _store_url
+        ),
+        cache_dir=_parse(env, "HOTPOOL_CACHE_DIR", home / "cache", Path).expanduser().resolve(),
+        host=_parse(env, "HOTPOOL_HOST", "127.0.0.1", str),
+        port=_parse(env, "HOTPOOL_PORT", 8000, _port),
+        device=_parse(env, "HOTPOOL_DEVICE", "auto", _one_of(DEVICES)),
+        max_workers=_parse(env, "HOTPOOL_MAX_WORKERS", 2, _positive_int),
+        worker_start_timeout_s=_parse(
+            env, "HOTPOOL_WORKER_START_TIMEOUT_S", 120.0, _positive_float
+        ),
+        default_idle_timeout_s=_parse(env, "HOTPOOL_IDLE_TIMEOUT_S", 300.0, _positive_float),
+        queue_timeout_s=_parse(env, "HOTPOOL_QUEUE_TIMEOUT_S", 300.0, _positive_float),
+        max_queue=_parse(env, "HOTPOOL_MAX_QUEUE", 256, _positive_int),
+        log_level=_parse(env, "HOTPOOL_LOG_LEVEL", "info", _one_of(LOG_LEVELS)),
+        worker_token=env.get("HOTPOOL_WORKER_TOKEN") or None,
+    )

@@ -1,0 +1,127 @@
+"""``/v1/deployments``: create, list and inspect deployments (update and delete: issue 7)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from hotpool.billing.deployments import DeploymentExists, DeploymentSpec
+from hotpool.platform.errors import APIError, invalid
+from hotpool.platform.services import Services, read_json
+
+NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+FIELDS = {
+    "name",
+    "snapshot_uri",
+    "min_replicas",
+    "max_replicas",
+    "target_concurrency",
+    "idle_timeout_s",
+}
+
+
+def parse_deployment(body: Any, default_idle_timeout_s: float) -> DeploymentSpec:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise invalid(f"unknown field `{unknown[0]}`", unknown[0])
+    name = body.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise invalid(
+            "`name` must be 1-63 characters of a-z, 0-9, '.', '_', '-', "
+            "starting with a letter or digit",
+            "name",
+        )
+    uri = body.get("snapshot_uri")
+    if not isinstance(uri, str) or not uri.startswith(("file:///", "s3://")):
+        raise invalid(
+            "`snapshot_uri` must be a file:///absolute/path or s3://bucket/prefix URI",
+            "snapshot_uri",
+        )
+    if (
+        uri.startswith("file://")
+        and not (Path(uri.removeprefix("file://")) / "manifest.json").is_file()
+    ):
+        raise APIError(422, f"no snapshot at {uri} (manifest.json not found)", param="snapshot_uri")
+    min_r = _int(body, "min_replicas", 0, 0)
+    max_r = _int(body, "max_replicas", 1, 1)
+    if min_r > max_r:
+        raise invalid("`min_replicas` must not exceed `max_replicas`", "min_replicas")
+    idle = body.get("idle_timeout_s", default_idle_timeout_s)
+    if isinstance(idle, bool) or not isinstance(idle, int | float) or not 0 < idle <= 7 * 86400:
+        raise invalid(
+            "`idle_timeout_s` must be a number of seconds in (0, 604800]", "idle_timeout_s"
+        )
+    return DeploymentSpec(
+        name=name,
+        snapshot_uri=uri.rstrip("/"),
+        min_replicas=min_r,
+        max_replicas=max_r,
+        target_concurrency=_int(body, "target_concurrency", 8, 1),
+        idle_timeout_s=float(idle),
+    )
+
+
+def _int(body: dict[str, Any], name: str, default: int, minimum: int) -> int:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise invalid(f"`{name}` must be an integer >= {minimum}", name)
+    return value
+
+
+def deployment_json(spec: DeploymentSpec, services: Services) -> dict[str, Any]:
+    replicas = services.pool.replicas(spec.name)
+    return {
+        "object": "deployment",
+        "name": spec.name,
+        "snapshot_uri": spec.snapshot_uri,
+        "scaling": {
+            "min_replicas": spec.min_replicas,
+            "max_replicas": spec.max_replicas,
+            "target_concurrency": spec.target_concurrency,
+            "idle_timeout_s": spec.idle_timeout_s,
+        },
+        "created_at": int(spec.created_at.timestamp()) if spec.created_at else None,
+        "queued_requests": services.router.waiting[spec.name],
+        "replicas": [r.describe() for r in replicas],
+    }
+
+
+async def create_deployment(request: Request) -> Response:
+    services: Services = request.app.state.services
+    spec = parse_deployment(await read_json(request), services.settings.default_idle_timeout_s)
+    try:
+        created = await services.catalog.create(spec)
+    except DeploymentExists:
+        raise APIError(
+            409, f"deployment {spec.name!r} already exists", param="name", code="deployment_exists"
+        ) from None
+    return JSONResponse(deployment_json(created, services), status_code=201)
+
+
+async def list_deployments(request: Request) -> Response:
+    services: Services = request.app.state.services
+    specs = sorted(services.catalog.all().values(), key=lambda s: s.name)
+    return JSONResponse({"object": "list", "data": [deployment_json(s, services) for s in specs]})
+
+
+async def get_deployment(request: Request) -> Response:
+    services: Services = request.app.state.services
+    name = request.path_params["name"]
+    spec = services.catalog.get(name)
+    if spec is None:
+        raise APIError(404, f"deployment {name!r} does not exist", code="deployment_not_found")
+    return JSONResponse(deployment_json(spec, services))
+
+
+routes = [
+    Route("/v1/deployments", create_deployment, methods=["POST"]),
+    Route("/v1/deployments", list_deployments, methods=["GET"]),
+    Route("/v1/deployments/{name}", get_deployment, methods=["GET"]),
+]

@@ -1,0 +1,96 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` for every 4xx/5xx."""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+log = logging.getLogger("hotpool.api")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    502: "api_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error a client should see as is; raise it anywhere in a handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "api_error")
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        headers = (
+            {"retry-after": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        )
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+async def api_error_handler(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def http_exception_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = {
+        404: f"no route for {request.method} {request.url.path}",
+        405: f"method {request.method} is not allowed on {request.url.path}",
+    }.get(exc.status_code, str(exc.detail))
+    return APIError(exc.status_code, message).response()
+
+
+async def unhandled_error_handler(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return APIError(
+        500, "internal server error; this is a bug in hotpool", type="api_error"
+    ).response()
+
+
+EXCEPTION_HANDLERS = {
+    APIError: api_error_handler,
+    HTTPException: http_exception_handler,
+    Exception: unhandled_error_handler,
+}

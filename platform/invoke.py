@@ -1,0 +1,158 @@
+"""Run one generation on a replica and account for it, whatever happens.
+
+The invoker leases a replica from the router, streams ``/generate`` from its worker, and
+on every way out (finished, worker error, worker lost, client gone) submits one usage
+record with the token counts the worker reported last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import httpx
+
+from hotpool.billing.deployments import DeploymentSpec
+from hotpool.billing.ledger import UsageRecord
+from hotpool.platform.errors import APIError
+from hotpool.platform.ledger_writer import LedgerWriter
+from hotpool.platform.metrics import Metrics
+from hotpool.platform.router import Lease, Router
+from hotpool.platform.schemas import CompletionCall
+from hotpool.worker.protocol import GenerateEvent, GenerateRequest, Usage
+
+log = logging.getLogger("hotpool.invoke")
+
+
+@dataclass
+class _Tally:
+    t0: float = field(default_factory=time.monotonic)
+    usage: Usage = field(default_factory=Usage)
+    ttft: float | None = None
+    finish: str | None = None
+    status: str = "error"
+    error: str | None = None
+    lease: Lease | None = None
+
+
+class Invoker:
+    def __init__(
+        self, router: Router, client: httpx.AsyncClient, ledger: LedgerWriter, metrics: Metrics
+    ) -> None:
+        self.router = router
+        self.client = client
+        self.ledger = ledger
+        self.metrics = metrics
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def generate(
+        self, spec: DeploymentSpec, call: CompletionCall, request_id: str
+    ) -> AsyncIterator[GenerateEvent]:
+        """Events from the worker; raises :class:`APIError` before the first one on failure."""
+        tally = _Tally()
+        request = GenerateRequest(request_id, call.params, call.prompt, call.messages)
+        try:
+            async with self.router.lease(spec) as lease:
+                tally.lease = lease
+                async with aclosing(self._stream(lease, request)) as stream:
+                    async for event in stream:
+                        _tally_event(tally, event)
+                        yield event
+            if tally.finish is None:
+                tally.status = "partial" if tally.usage.completion_tokens else "error"
+                tally.error = "the worker ended the stream without finishing"
+                raise APIError(502, tally.error, type="api_error")
+        except (asyncio.CancelledError, GeneratorExit):
+            if tally.finish is None:  # the client went away mid-generation
+                tally.status = "cancelled"
+                self._abort_later(tally.lease, request_id)
+            raise
+        except APIError as exc:
+            tally.error = tally.error or exc.message
+            raise
+        except httpx.HTTPError as exc:
+            tally.status = "partial" if tally.usage.completion_tokens else "error"
+            tally.error = f"lost the worker: {exc!r}"
+            raise APIError(
+                502, f"the replica serving {spec.name!r} failed: {exc!r}", type="api_error"
+            ) from exc
+        finally:
+            self._account(spec, call, request_id, tally)
+
+    async def _stream(self, lease: Lease, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
+        url = f"{lease.replica.address}/generate"
+        async with self.client.stream("POST", url, json=request.to_json()) as resp:
+            if resp.status_code != 200:
+                raise _worker_error(resp.status_code, await resp.aread())
+            async for line in resp.aiter_lines():
+                if line:
+                    yield GenerateEvent.from_json(json.loads(line))
+
+    def _abort_later(self, lease: Lease | None, request_id: str) -> None:
+        # Runs outside the cancelled request's scope, where awaiting is still allowed.
+        if lease is None or lease.replica.worker is None:
+            return
+        url = f"{lease.replica.address}/abort/{request_id}"
+
+        async def abort() -> None:
+            try:
+                await self.client.post(url, timeout=5.0)
+            except httpx.HTTPError as exc:
+                log.info("abort of %s not delivered: %s", request_id, exc)
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _account(
+        self, spec: DeploymentSpec, call: CompletionCall, request_id: str, t: _Tally
+    ) -> None:
+        total = time.monotonic() - t.t0
+        lease = t.lease
+        u = t.usage
+        self.ledger.submit(
+            UsageRecord(
+                request_id=request_id,
+                deployment=spec.name,
+                endpoint=call.endpoint,
+                status=t.status,
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                cached_tokens=u.cached_tokens,
+                tenant_id=spec.tenant_id,
+                queue_seconds=lease.queue_seconds if lease else None,
+                ttft_seconds=t.ttft,
+                total_seconds=total,
+                cold_start=bool(lease and lease.cold_start),
+                error=t.error,
+            )
+        )
+        self.metrics.observe_request(
+            spec.name, t.status, u, t.ttft, total, lease.queue_seconds if lease else None
+        )
+
+
+def _tally_event(tally: _Tally, event: GenerateEvent) -> None:
+    if event.usage is not None:
+        tally.usage = event.usage
+    if tally.ttft is None and event.token_ids:
+        tally.ttft = time.monotonic() - tally.t0
+    if event.finish_reason is not None:
+        tally.finish = event.finish_reason
+        tally.status = "completed" if event.finish_reason in ("stop", "length") else "error"
+        tally.error = event.error
+
+
+def _worker_error(status: int, body: bytes) -> APIError:
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body[:300].decode(errors="replace")
+    if status == 400:  # the request itself is bad (prompt too long, template failure)
+        return APIError(400, message)
+    return APIError(502, f"worker error ({status}): {message}", type="api_error")

@@ -1,0 +1,108 @@
+"""Prometheus metrics of the control plane (DESIGN.md: ``hotpool_`` prefix, base units,
+bounded labels: deployment, status, phase, state, kind — never request ids)."""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from hotpool.pool.pool import WorkerPool
+from hotpool.pool.replica import Replica, ReplicaState
+from hotpool.worker.protocol import Usage
+
+# LLM latencies: tens of ms for a token, seconds to minutes for a cold start or a long answer.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _PoolCollector(Collector):
+    """Replica counts by state, read from the pool at scrape time (never stale)."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            "hotpool_replicas", "Replicas by deployment and state", labels=["deployment", "state"]
+        )
+        counts = Tally((r.deployment, r.state.value) for r in self.pool.replicas())
+        for deployment in {d for d, _ in counts}:
+            for state in ReplicaState:
+                g.add_metric([deployment, state.value], counts.get((deployment, state.value), 0))
+        yield g
+        w = GaugeMetricFamily("hotpool_workers", "Worker processes held by the pool")
+        w.add_metric([], len(self.pool.replicas()))
+        yield w
+
+
+class Metrics:
+    def __init__(self, pool: WorkerPool) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "hotpool_requests", "Requests by outcome", ["deployment", "status"], registry=r
+        )
+        self.tokens = Counter(
+            "hotpool_tokens",
+            "Tokens metered, by kind (input, cached_input, output)",
+            ["deployment", "kind"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "hotpool_time_to_first_token_seconds",
+            "Time to first token",
+            ["deployment"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "hotpool_request_duration_seconds",
+            "End-to-end request time",
+            ["deployment"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "hotpool_queue_seconds",
+            "Time waiting for a replica",
+            ["deployment"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.cold_start = Histogram(
+            "hotpool_cold_start_seconds", "Cold-start time by phase (total = whole cold start)",
+            ["deployment", "phase"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        r.register(_PoolCollector(pool))
+
+    def observe_request(
+        self,
+        deployment: str,
+        status: str,
+        usage: Usage,
+        ttft: float | None,
+        total: float,
+        queue: float | None,
+    ) -> None:
+        self.requests.labels(deployment, status).inc()
+        self.tokens.labels(deployment, "input").inc(usage.prompt_tokens)
+        self.tokens.labels(deployment, "cached_input").inc(usage.cached_tokens)
+        self.tokens.labels(deployment, "output").inc(usage.completion_tokens)
+        if ttft is not None:
+            self.ttft.labels(deployment).observe(ttft)
+        self.e2e.labels(deployment).observe(total)
+        if queue is not None:
+            self.queue.labels(deployment).observe(queue)
+
+    def observe_cold_start(self, replica: Replica) -> None:
+        if replica.load is None or replica.cold_start_seconds is None:
+            return
+        for phase, seconds in replica.load.phases.items():
+            self.cold_start.labels(replica.deployment, phase).observe(seconds)
+        self.cold_start.labels(replica.deployment, "total").observe(replica.cold_start_seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

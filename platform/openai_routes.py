@@ -1,0 +1,179 @@
+"""OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from hotpool.billing.deployments import DeploymentSpec
+from hotpool.platform.errors import APIError
+from hotpool.platform.schemas import CompletionCall, parse_chat, parse_completion
+from hotpool.platform.services import Services, read_json
+from hotpool.worker.protocol import GenerateEvent, Usage
+
+
+def usage_json(u: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def _finish(reason: str | None) -> str | None:
+    return reason if reason in ("stop", "length") else ("stop" if reason == "abort" else reason)
+
+
+class _Shape:
+    """The few differences between chat and text completions' response shapes."""
+
+    def __init__(self, call: CompletionCall, request_id: str) -> None:
+        self.chat = call.endpoint == "chat.completions"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id.removeprefix("req_")
+        self.created = int(time.time())
+        self.model = call.model
+        self.object = "chat.completion" if self.chat else "text_completion"
+
+    def choice(
+        self, text: str, finish: str | None, first: bool = False, final: bool = False
+    ) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if final:
+            body: dict[str, Any] = {"role": "assistant", "content": text}
+            return {"index": 0, "message": body, "logprobs": None, "finish_reason": finish}
+        delta = (
+            {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        )
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        obj = self.object + (".chunk" if chunk and self.chat else "")
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _complete(request, parse_chat(await read_json(request)))
+
+
+async def completions(request: Request) -> Response:
+    return await _complete(request, parse_completion(await read_json(request)))
+
+
+async def _complete(request: Request, call: CompletionCall) -> Response:
+    services: Services = request.app.state.services
+    spec = services.catalog.get(call.model)
+    if spec is None:
+        raise APIError(
+            404, f"The model `{call.model}` does not exist or you do not have access to it.",
+            param="model", code="model_not_found",
+        )  # fmt: skip
+    request_id: str = request.scope["state"]["request_id"]
+    events = services.invoker.generate(spec, call, request_id)
+    first = await anext(events)  # queueing, cold start and validation errors surface here
+    shape = _Shape(call, request_id)
+    if call.stream:
+        return StreamingResponse(_sse(shape, call, first, events), media_type="text/event-stream")
+    return JSONResponse(await _collect(shape, first, events))
+
+
+async def _collect(
+    shape: _Shape, first: GenerateEvent, events: AsyncIterator[GenerateEvent]
+) -> dict[str, Any]:
+    parts, last = [first.text], first
+    async for event in events:
+        parts.append(event.text)
+        last = event
+    if last.finish_reason == "error":
+        raise APIError(502, f"generation failed: {last.error}", type="api_error")
+    body = shape.envelope(
+        [shape.choice("".join(parts), _finish(last.finish_reason), final=True)], chunk=False
+    )
+    body["usage"] = usage_json(last.usage or Usage())
+    return body
+
+
+async def _sse(
+    shape: _Shape, call: CompletionCall, first: GenerateEvent, events: AsyncIterator[GenerateEvent]
+) -> AsyncIterator[str]:
+    def data(obj: dict[str, Any]) -> str:
+        if call.include_usage:
+            obj.setdefault("usage", None)  # OpenAI: null on every chunk but the last
+        return f"data: {json.dumps(obj)}\n\n"
+
+    event: GenerateEvent | None = first
+    is_first = True
+    usage = Usage()
+    try:
+        while event is not None:
+            if event.usage is not None:
+                usage = event.usage
+            if event.finish_reason == "error":
+                yield data(
+                    {"error": APIError(502, f"generation failed: {event.error}").body()["error"]}
+                )
+                break
+            finish = _finish(event.finish_reason)
+            if event.text or is_first:
+                yield data(
+                    shape.envelope([shape.choice(event.text, None, first=is_first)], chunk=True)
+                )
+                is_first = False
+            if finish is not None:
+                yield data(shape.envelope([shape.choice("", finish)], chunk=True))
+                break
+            event = await anext(events, None)
+    except APIError as exc:  # the stream has started: report in band
+        yield data({"error": exc.body()["error"]})
+    else:
+        if call.include_usage:
+            final = shape.envelope([], chunk=True)
+            final["usage"] = usage_json(usage)
+            yield f"data: {json.dumps(final)}\n\n"
+    finally:
+        await events.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def model_json(spec: DeploymentSpec) -> dict[str, Any]:
+    created = int(spec.created_at.timestamp()) if spec.created_at else 0
+    return {"id": spec.name, "object": "model", "created": created, "owned_by": "hotpool"}
+
+
+async def list_models(request: Request) -> Response:
+    services: Services = request.app.state.services
+    specs = sorted(services.catalog.all().values(), key=lambda s: s.name)
+    return JSONResponse({"object": "list", "data": [model_json(s) for s in specs]})
+
+
+async def get_model(request: Request) -> Response:
+    services: Services = request.app.state.services
+    spec = services.catalog.get(request.path_params["model"])
+    if spec is None:
+        raise APIError(
+            404,
+            f"The model `{request.path_params['model']}` does not exist.",
+            code="model_not_found",
+        )
+    return JSONResponse(model_json(spec))
+
+
+routes = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+]

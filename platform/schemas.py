@@ -1,0 +1,207 @@
+"""Parse and validate OpenAI-compatible request bodies into typed calls.
+
+Every problem is an :class:`APIError` 400 naming the parameter. Parameters hotpool does not
+support yet are rejected, never silently ignored: a client that asks for ``n=2`` or
+``logprobs`` must not get something else without knowing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hotpool.platform.errors import invalid
+from hotpool.worker.protocol import ChatMessage, SamplingParams
+
+Endpoint = Literal["chat.completions", "completions"]
+
+ROLES = ("system", "developer", "user", "assistant")
+MAX_STOP = 4
+
+_SAMPLING = {
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+    "seed", "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+    "top_k", "min_p", "repetition_penalty",
+}  # fmt: skip
+CHAT_FIELDS = _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                           "tool_choice", "parallel_tool_calls", "response_format"}  # fmt: skip
+COMPLETION_FIELDS = _SAMPLING | {"prompt", "echo", "suffix", "best_of"}
+
+
+@dataclass(frozen=True)
+class CompletionCall:
+    """A validated ``/v1/chat/completions`` or ``/v1/completions`` request."""
+
+    endpoint: Endpoint
+    model: str
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    messages: tuple[ChatMessage, ...] | None = None
+    prompt: str | None = None
+    user: str | None = None
+
+
+def parse_chat(body: Any) -> CompletionCall:
+    b = _Body(body, CHAT_FIELDS)
+    messages = tuple(_message(m, i) for i, m in enumerate(b.require("messages", list)))
+    if not messages:
+        raise invalid("`messages` must hold at least one message", "messages")
+    max_tokens = b.opt_int("max_completion_tokens", 1) or b.opt_int("max_tokens", 1)
+    b.unsupported_unless("top_logprobs", lambda v: v is None)
+    b.unsupported_unless("tools", lambda v: not v)
+    b.unsupported_unless("tool_choice", lambda v: v in (None, "none"))
+    b.unsupported_unless("parallel_tool_calls", lambda v: v is None)
+    b.unsupported_unless(
+        "response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text")
+    )
+    b.unsupported_unless("logprobs", lambda v: v in (None, False))
+    return _call(b, "chat.completions", max_tokens, messages=messages)
+
+
+def parse_completion(body: Any) -> CompletionCall:
+    b = _Body(body, COMPLETION_FIELDS)
+    prompt = b.require("prompt", (str, list))
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise invalid(
+                "`prompt` must be a string (batches and token arrays are not supported yet)",
+                "prompt",
+            )
+        prompt = prompt[0]
+    if prompt == "":
+        raise invalid("`prompt` must not be empty", "prompt")
+    max_tokens = b.opt_int("max_tokens", 1, default=16)  # OpenAI's default for completions
+    b.unsupported_unless("echo", lambda v: v in (None, False))
+    b.unsupported_unless("suffix", lambda v: v is None)
+    b.unsupported_unless("best_of", lambda v: v in (None, 1))
+    b.unsupported_unless("logprobs", lambda v: v in (None, 0))
+    return _call(b, "completions", max_tokens, prompt=prompt)
+
+
+def _call(
+    b: _Body,
+    endpoint: Endpoint,
+    max_tokens: int | None,
+    messages: tuple[ChatMessage, ...] | None = None,
+    prompt: str | None = None,
+) -> CompletionCall:
+    model = b.require("model", str)
+    stream = bool(b.opt("stream", bool, False))
+    options = b.opt("stream_options", dict, None)
+    if options is not None and not stream:
+        raise invalid("`stream_options` is only allowed when `stream` is true", "stream_options")
+    include_usage = False
+    if options:
+        unknown = set(options) - {"include_usage"}
+        if unknown:
+            raise invalid(f"unknown stream_options: {', '.join(sorted(unknown))}", "stream_options")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise invalid("`stream_options.include_usage` must be a boolean", "stream_options")
+    b.unsupported_unless("n", lambda v: v in (None, 1), "only n=1 is supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        b.unsupported_unless(name, lambda v: v in (None, 0, 0.0))
+    b.unsupported_unless("min_p", lambda v: v in (None, 0, 0.0))
+    b.unsupported_unless("repetition_penalty", lambda v: v in (None, 1, 1.0))
+    b.unsupported_unless("logit_bias", lambda v: not v)
+    temperature = b.opt_number("temperature", 0.0, 2.0, 1.0)
+    top_p = b.opt_number("top_p", 0.0, 1.0, 1.0)
+    if top_p == 0.0:
+        raise invalid("`top_p` must be greater than 0", "top_p")
+    top_k = b.opt_int("top_k", -1, default=0)
+    seed = b.opt_int("seed", None)
+    user = b.opt("user", str, None)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(top_k or 0, 0),
+        seed=seed,
+        stop=_stop(b.opt("stop", (str, list), None)),
+    )
+    return CompletionCall(endpoint, model, params, stream, include_usage, messages, prompt, user)
+
+
+def _stop(value: str | list[Any] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if len(items) > MAX_STOP or not all(isinstance(s, str) and s for s in items):
+        raise invalid(
+            f"`stop` must be a non-empty string or a list of up to {MAX_STOP} of them", "stop"
+        )
+    return tuple(items)
+
+
+def _message(raw: Any, i: int) -> ChatMessage:
+    param = f"messages[{i}]"
+    if not isinstance(raw, dict):
+        raise invalid(f"`{param}` must be an object with `role` and `content`", param)
+    unknown = set(raw) - {"role", "content", "name"}
+    if unknown:
+        raise invalid(f"`{param}` has unsupported fields: {', '.join(sorted(unknown))}", param)
+    role = raw.get("role")
+    if role not in ROLES:
+        raise invalid(f"`{param}.role` must be one of {', '.join(ROLES)}", f"{param}.role")
+    content = raw.get("content")
+    if isinstance(content, list):  # content parts: text only for now
+        texts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise invalid(f"`{param}.content` parts must be text parts", f"{param}.content")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise invalid(f"`{param}.content` must be a string", f"{param}.content")
+    return ChatMessage(role="system" if role == "developer" else role, content=content)
+
+
+class _Body:
+    def __init__(self, body: Any, allowed: set[str]) -> None:
+        if not isinstance(body, dict):
+            raise invalid("the request body must be a JSON object")
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise invalid(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+        self.body = body
+
+    def require(self, name: str, types: type | tuple[type, ...]) -> Any:
+        if self.body.get(name) is None:
+            raise invalid(f"`{name}` is required", name)
+        return self.opt(name, types, None)
+
+    def opt(self, name: str, types: type | tuple[type, ...], default: Any) -> Any:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in _tuple(types)):
+            raise invalid(f"`{name}` has the wrong type ({type(value).__name__})", name)
+        return value
+
+    def opt_int(self, name: str, minimum: int | None, default: int | None = None) -> int | None:
+        value = self.opt(name, int, default)
+        if value is not None and minimum is not None and value < minimum:
+            raise invalid(f"`{name}` must be >= {minimum}", name)
+        return value
+
+    def opt_number(self, name: str, lo: float, hi: float, default: float) -> float:
+        value = float(self.opt(name, (int, float), default))
+        if not lo <= value <= hi:
+            raise invalid(f"`{name}` must be between {lo:g} and {hi:g}", name)
+        return value
+
+    def unsupported_unless(self, name: str, ok: Callable[[Any], bool], why: str = "") -> None:
+        if not ok(self.body.get(name)):
+            raise invalid(
+                why or f"`{name}` is not supported yet by hotpool", name, "unsupported_parameter"
+            )
+
+
+def _tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)

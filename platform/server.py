@@ -1,0 +1,76 @@
+"""``hotpool serve``: the control plane and its local worker pool in one process."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+
+import uvicorn
+
+from hotpool.billing.db import Database
+from hotpool.billing.deployments import DeploymentSpec, DeploymentStore
+from hotpool.platform.app import build_services, create_app
+from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig
+from hotpool.settings import Settings
+
+log = logging.getLogger("hotpool")
+
+
+class StartupError(RuntimeError):
+    """hotpool cannot start with these settings; the message says what to do."""
+
+
+def open_database(settings: Settings) -> Database:
+    """SQLite is upgraded automatically; a server database must be upgraded on purpose."""
+    db = Database(settings.database_url)
+    if db.is_sqlite:
+        db.upgrade()
+        return db
+    current, head = db.current_revision(), _head_revision(db)
+    if current != head:
+        raise StartupError(
+            f"the database is at revision {current}, not {head}: run `hotpool db upgrade`"
+        )
+    return db
+
+
+def _head_revision(db: Database) -> str | None:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(db.alembic_config()).get_current_head()
+
+
+def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> None:
+    settings.home.mkdir(parents=True, exist_ok=True)
+    db = open_database(settings)
+    store = DeploymentStore(db)
+    for spec in deploy or []:
+        if store.get(spec.name) is None:
+            store.create(spec)
+            log.info(
+                "deployed %s from %s (scaled to zero until its first request)",
+                spec.name,
+                spec.snapshot_uri,
+            )
+    # Bind first, so the workers learn the real port even when HOTPOOL_PORT=0.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.port))
+    host, port = sock.getsockname()[:2]
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    token = settings.worker_token or secrets.token_urlsafe(32)
+    backend = LocalProcessBackend(
+        LocalWorkerConfig(
+            control_plane_url=f"http://{connect_host}:{port}",
+            token=token,
+            cache_dir=settings.cache_dir,
+            log_dir=settings.home / "logs",
+            device=settings.device,
+            log_level=settings.log_level,
+        )
+    )
+    app = create_app(build_services(settings, db, backend, token))
+    print(f"hotpool is serving on http://{host}:{port} (data in {settings.home})", flush=True)
+    config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=30)
+    uvicorn.Server(config).run(sockets=[sock])

@@ -1,0 +1,102 @@
+"""``GET /v1/usage``: token usage per time bucket, shaped like OpenAI's organization
+usage API (``/v1/organization/usage/completions``) so existing tooling reads it."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from hotpool.billing.usage import (
+    BUCKET_WIDTHS,
+    UsageBucketRow,
+    bucket_starts,
+    floor_to_bucket,
+    usage_buckets,
+)
+from hotpool.platform.errors import invalid
+from hotpool.platform.services import Services
+
+DEFAULT_LIMIT = {"1d": 7, "1h": 24, "1m": 60}
+MAX_LIMIT = {"1d": 31, "1h": 168, "1m": 1440}
+PARAMS = {"start_time", "end_time", "bucket_width", "group_by", "models", "limit"}
+
+
+def _int_param(request: Request, name: str) -> int | None:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise invalid(f"`{name}` must be an integer", name) from None
+
+
+async def get_usage(request: Request) -> Response:
+    services: Services = request.app.state.services
+    q = request.query_params
+    unknown = sorted(set(q) - PARAMS)
+    if unknown:
+        raise invalid(f"unknown query parameter `{unknown[0]}`", unknown[0])
+    width = q.get("bucket_width", "1d")
+    if width not in BUCKET_WIDTHS:
+        raise invalid("`bucket_width` must be one of 1m, 1h, 1d", "bucket_width")
+    limit = _int_param(request, "limit") or DEFAULT_LIMIT[width]
+    if not 1 <= limit <= MAX_LIMIT[width]:
+        raise invalid(
+            f"`limit` must be between 1 and {MAX_LIMIT[width]} for bucket_width={width}", "limit"
+        )
+    group_by = q.get("group_by")
+    if group_by not in (None, "model"):
+        raise invalid("`group_by` supports only `model`", "group_by")
+    now = datetime.now(UTC)
+    end_ts, start_ts = _int_param(request, "end_time"), _int_param(request, "start_time")
+    end = datetime.fromtimestamp(end_ts, UTC) if end_ts is not None else now
+    start = (
+        datetime.fromtimestamp(start_ts, UTC)
+        if start_ts is not None
+        else floor_to_bucket(end, width) - (limit - 1) * BUCKET_WIDTHS[width]
+    )
+    if start >= end:
+        raise invalid("`start_time` must be before `end_time`", "start_time")
+    model = q.get("models")
+    rows = await asyncio.to_thread(
+        usage_buckets, services.db, start, end, width, model, group_by == "model"
+    )
+    starts = bucket_starts(start, end, width)[:limit]
+    by_start: dict[datetime, list[UsageBucketRow]] = {}
+    for row in rows:
+        by_start.setdefault(row.start, []).append(row)
+    data = [
+        {
+            "object": "bucket",
+            "start_time": int(s.timestamp()),
+            "end_time": int((s + BUCKET_WIDTHS[width]).timestamp()),
+            "results": [_result(r, group_by == "model") for r in by_start.get(s, [])],
+        }
+        for s in starts
+    ]
+    more = len(bucket_starts(start, end, width)) > limit
+    return JSONResponse({"object": "page", "data": data, "has_more": more, "next_page": None})
+
+
+def _result(row: UsageBucketRow, grouped: bool) -> dict[str, Any]:
+    return {
+        "object": "organization.usage.completions.result",
+        "input_tokens": row.prompt_tokens,
+        "input_cached_tokens": row.cached_tokens,
+        "output_tokens": row.completion_tokens,
+        "num_model_requests": row.requests,
+        "model": row.deployment if grouped else None,
+        "project_id": None,
+        "user_id": None,
+        "api_key_id": None,
+        "batch": None,
+    }
+
+
+routes = [Route("/v1/usage", get_usage, methods=["GET"])]

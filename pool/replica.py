@@ -1,0 +1,54 @@
+"""A replica: one worker holding one deployment's snapshot, and its lifecycle states."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from hotpool.pool.backend import WorkerHandle
+from hotpool.worker.protocol import LoadResult, WorkerInfo
+
+
+class ReplicaState(StrEnum):
+    COLD = "cold"  # worker process starting
+    LOADING = "loading"  # worker registered, snapshot loading
+    READY = "ready"
+    DRAINING = "draining"  # takes no new requests, finishes its own
+
+
+@dataclass(eq=False)
+class Replica:
+    id: str
+    deployment: str
+    handle: WorkerHandle
+    state: ReplicaState = ReplicaState.COLD
+    worker: WorkerInfo | None = None
+    load: LoadResult | None = None
+    inflight: int = 0
+    created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    cold_start_seconds: float | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str | None = None  # why the cold start failed, once it has
+
+    @property
+    def address(self) -> str:
+        if self.worker is None:
+            raise RuntimeError(f"replica {self.id} has no registered worker yet")
+        return self.worker.address
+
+    def describe(self) -> dict[str, object]:
+        """The replica as the deployments API shows it."""
+        return {
+            "id": self.id,
+            "state": self.state.value,
+            "worker_id": self.handle.worker_id,
+            "pid": self.handle.pid,
+            "inflight": self.inflight,
+            "created_at": int(self.created_at),
+            "cold_start_seconds": self.cold_start_seconds,
+            "cold_start_phases": self.load.phases if self.load else None,
+            "snapshot_cache_hit": self.load.cache_hit if self.load else None,
+        }

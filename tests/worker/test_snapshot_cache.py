@@ -1,0 +1,228 @@
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hotpool.worker.snapshot import store as store_module
+from hotpool.worker.snapshot.cache import SnapshotCache
+from hotpool.worker.snapshot.errors import ObjectNotFoundError, SnapshotError
+from hotpool.worker.snapshot.manifest import MANIFEST_NAME, build_manifest, write_manifest
+from hotpool.worker.snapshot.store import (
+    FileObjectStore,
+    ObjectStore,
+    open_snapshot_uri,
+    push_snapshot,
+)
+
+
+class CountingStore(ObjectStore):
+    """Wraps a store, counts downloads and uploads, and can slow downloads down."""
+
+    def __init__(self, inner: ObjectStore, delay_s: float = 0.0) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+        self.downloads: list[str] = []
+        self.calls: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.inner.get_bytes(key)
+
+    def download(
+        self, key: str, dest: Path, chunk_cb: Callable[[bytes], None] | None = None
+    ) -> None:
+        with self._lock:
+            self.downloads.append(key)
+        time.sleep(self.delay_s)
+        self.inner.download(key, dest, chunk_cb)
+
+    def upload(self, src: Path, key: str) -> None:
+        self.calls.append(("upload", key))
+        self.inner.upload(src, key)
+
+    def list(self, prefix: str) -> list[str]:
+        return self.inner.list(prefix)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.calls.append(("delete_prefix", prefix))
+        self.inner.delete_prefix(prefix)
+
+
+def make_local_snapshot(folder: Path, weights: bytes = b"w" * 5000) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"hidden_size": 8}')
+    (folder / "model.safetensors").write_bytes(weights)
+    (folder / "tokenizer.json").write_text('{"model": {}}')
+    write_manifest(folder, build_manifest(folder, "llama", "bf16"))
+    return folder
+
+
+@pytest.fixture
+def pushed(tmp_path: Path) -> str:
+    """URI of a small snapshot pushed into a file:// store."""
+    uri = f"file://{tmp_path}/objects/snapshots/tiny"
+    push_snapshot(make_local_snapshot(tmp_path / "local"), uri)
+    return uri
+
+
+def test_file_store_round_trip_list_and_delete(tmp_path: Path) -> None:
+    store = FileObjectStore(tmp_path / "root")
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"abc" * 1000)
+
+    store.upload(src, "snaps/a/model.bin")
+    store.upload(src, "snaps/a/sub/x.json")
+    store.upload(src, "snaps/ab/model.bin")
+    chunks: list[bytes] = []
+    store.download("snaps/a/model.bin", tmp_path / "out" / "m.bin", chunks.append)
+
+    assert store.get_bytes("snaps/a/model.bin") == b"abc" * 1000
+    assert b"".join(chunks) == (tmp_path / "out" / "m.bin").read_bytes() == b"abc" * 1000
+    assert store.list("snaps/a/") == ["snaps/a/model.bin", "snaps/a/sub/x.json"]
+    assert store.list("snaps/a") == [
+        "snaps/a/model.bin",
+        "snaps/a/sub/x.json",
+        "snaps/ab/model.bin",
+    ]
+    assert store.exists("snaps/a/model.bin") and not store.exists("snaps/a")
+    store.delete_prefix("snaps/a/")
+    assert store.list("snaps/") == ["snaps/ab/model.bin"]
+    with pytest.raises(ObjectNotFoundError):
+        store.get_bytes("snaps/a/model.bin")
+    with pytest.raises(SnapshotError, match="invalid object key"):
+        store.get_bytes("../outside")
+
+
+def test_snapshot_uris(tmp_path: Path) -> None:
+    store, prefix = open_snapshot_uri(f"file://{tmp_path}/snap/")
+    assert isinstance(store, FileObjectStore) and store.root == tmp_path / "snap"
+    assert prefix == ""
+    with pytest.raises(SnapshotError, match="issue 5"):
+        open_snapshot_uri("s3://bucket/snapshots/x")
+    with pytest.raises(SnapshotError, match="three slashes"):
+        open_snapshot_uri("file://relative/path")
+    with pytest.raises(SnapshotError, match="unsupported"):
+        open_snapshot_uri("http://example.com/x")
+
+
+def test_push_uploads_the_manifest_last_after_removing_the_old_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "objects" / "snap"
+    recorder = CountingStore(FileObjectStore(target))
+    monkeypatch.setattr(store_module, "open_snapshot_uri", lambda uri: (recorder, ""))
+
+    manifest = push_snapshot(make_local_snapshot(tmp_path / "local"), f"file://{target}")
+
+    assert recorder.calls[0] == ("delete_prefix", MANIFEST_NAME)
+    assert recorder.calls[-1] == ("upload", MANIFEST_NAME)
+    assert sorted(key for _, key in recorder.calls[1:-1]) == [f.path for f in manifest.files]
+    assert sorted(p.name for p in target.iterdir()) == [
+        "config.json",
+        MANIFEST_NAME,
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+
+
+def test_second_fetch_is_a_cache_hit(tmp_path: Path, pushed: str) -> None:
+    cache = SnapshotCache(tmp_path / "cache")
+
+    first = cache.fetch(pushed)
+    second = cache.fetch(pushed)
+
+    assert (first.cache_hit, second.cache_hit) == (False, True)
+    assert first.path == second.path == tmp_path / "cache" / first.manifest.digest
+    assert (first.path / "model.safetensors").read_bytes() == b"w" * 5000
+    assert (first.path / MANIFEST_NAME).is_file()
+    assert first.fetch_seconds > 0 and second.fetch_seconds > 0
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.manifest.digest]
+
+
+def test_a_new_cache_instance_reuses_installed_snapshots(tmp_path: Path, pushed: str) -> None:
+    SnapshotCache(tmp_path / "cache").fetch(pushed)
+    assert SnapshotCache(tmp_path / "cache").fetch(pushed).cache_hit
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda p: p.write_bytes(b"x" + p.read_bytes()[1:]), "failed verification: sha256"),
+        (lambda p: p.write_bytes(p.read_bytes()[:-10]), "is 4990 bytes, manifest says 5000"),
+        (lambda p: p.write_bytes(p.read_bytes() + b"!"), "larger than the 5000 bytes"),
+        (lambda p: p.unlink(), "missing from the store"),
+    ],
+    ids=["flipped-byte", "truncated", "too-long", "missing"],
+)
+def test_corrupted_store_file_fails_and_leaves_no_valid_looking_folder(
+    tmp_path: Path, pushed: str, corrupt: Callable[[Path], object], message: str
+) -> None:
+    corrupt(tmp_path / "objects" / "snapshots" / "tiny" / "model.safetensors")
+    cache = SnapshotCache(tmp_path / "cache")
+
+    with pytest.raises(SnapshotError, match=message) as info:
+        cache.fetch(pushed)
+
+    assert "model.safetensors" in str(info.value)
+    assert list((tmp_path / "cache").iterdir()) == []  # no digest folder, no temp folder
+
+
+def test_fetch_without_manifest_names_the_uri(tmp_path: Path) -> None:
+    uri = f"file://{tmp_path}/nothing-here"
+    with pytest.raises(SnapshotError, match="no snapshot at"):
+        SnapshotCache(tmp_path / "cache").fetch(uri)
+
+
+def test_concurrent_fetches_download_each_file_once(tmp_path: Path, pushed: str) -> None:
+    counting = CountingStore(open_snapshot_uri(pushed)[0], delay_s=0.05)
+    cache = SnapshotCache(tmp_path / "cache", open_store=lambda uri: (counting, ""))
+    results = []
+
+    def fetch() -> None:
+        results.append(cache.fetch(pushed))
+
+    threads = [threading.Thread(target=fetch) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    assert sorted(counting.downloads) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(r.cache_hit for r in results) == [False] + [True] * 7
+    assert len({r.path for r in results}) == 1
+
+
+def test_racing_processes_install_one_copy(tmp_path: Path, pushed: str) -> None:
+    """Two caches over one folder (as two worker processes would be) do not share a lock;
+    the atomic rename picks one winner and the loser discards its copy."""
+    barrier = threading.Barrier(2)
+
+    class SyncedStore(CountingStore):
+        def download(self, key, dest, chunk_cb=None):  # type: ignore[no-untyped-def]
+            if key == "model.safetensors":
+                barrier.wait(timeout=5)  # both are mid-download before either installs
+            super().download(key, dest, chunk_cb)
+
+    inner = open_snapshot_uri(pushed)[0]
+    stores = [SyncedStore(inner), SyncedStore(inner)]
+    caches = [
+        SnapshotCache(tmp_path / "cache", open_store=lambda uri, s=s: (s, "")) for s in stores
+    ]
+    results = []
+    threads = [threading.Thread(target=lambda c=c: results.append(c.fetch(pushed))) for c in caches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    assert len(results) == 2
+    assert results[0].path == results[1].path
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [results[0].manifest.digest]
+    assert (results[0].path / "model.safetensors").read_bytes() == b"w" * 5000

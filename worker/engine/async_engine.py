@@ -1,0 +1,129 @@
+"""Drive an :class:`Engine` from one background thread and stream its outputs to asyncio.
+
+The HTTP server lives on an event loop; the engine's steps are long, blocking torch calls.
+One thread owns the engine (engines are not thread-safe); callers hand it work through a
+queue of operations and get outputs back on per-request asyncio queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from hotpool.worker.engine.base import Engine, EngineRequest, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    """The engine loop has stopped; no more requests can run on this replica."""
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._ops: list[Callable[[], None]] = []
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Yield one :class:`RequestOutput` per step until the request finishes.
+
+        Leaving the iterator early (client gone, stop string found) aborts the request.
+        """
+        stream = _Stream(asyncio.get_running_loop())
+        rid = request.request_id
+        self._streams[rid] = stream
+        self._submit(lambda: self._add(request, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._submit(lambda: self.engine.abort(rid))
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its stream ends with ``finish_reason="abort"``."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+
+        def op() -> None:
+            self.engine.abort(request_id)
+            stream.put(RequestOutput(request_id, (), "abort", 0))
+
+        self._submit(op)
+        return True
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    def _add(self, request: EngineRequest, stream: _Stream) -> None:
+        try:
+            self.engine.add_request(request)
+        except Exception as exc:  # rejected: tell that caller only
+            stream.put(exc)
+
+    def _submit(self, op: Callable[[], None]) -> None:
+        with self._cond:
+            if self._stopped:
+                raise EngineDead("the engine is shut down")
+            self._ops.append(op)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not self._ops and not self.engine.has_unfinished():
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                ops, self._ops = self._ops, []
+            for op in ops:
+                op()
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a failed step fails the requests in it, not the worker
+                log.exception("engine step failed")
+                for rid, stream in list(self._streams.items()):
+                    self.engine.abort(rid)
+                    stream.put(exc)
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+        err = EngineDead("the engine was shut down")
+        for stream in self._streams.values():
+            stream.put(err)

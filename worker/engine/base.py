@@ -1,0 +1,62 @@
+"""The engine interface: what a replica's generation loop looks like from outside.
+
+``add_request`` / ``abort`` / ``step``: each ``step`` advances every running request by the
+work the engine schedules (a prefill chunk or one decoded token) and returns what changed.
+The engine knows nothing of HTTP, text or SQL; token ids in, token ids out. The simple
+engine implements it today; the scheduler over a paged KV cache (issue 3) replaces it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from hotpool.worker.protocol import FinishReason, SamplingParams
+
+
+class RequestRejected(ValueError):
+    """The request can never run on this engine (e.g. longer than the model's context)."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine(ABC):
+    """Token-level generation over a loaded model. Not thread-safe: one thread drives it."""
+
+    max_model_len: int
+
+    @abstractmethod
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises :class:`RequestRejected` if it can never run."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Drop a request at any moment and free what it holds; unknown ids are ignored."""
+
+    @abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns outputs for requests that progressed or finished."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool: ...

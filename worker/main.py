@@ -1,0 +1,130 @@
+"""The worker process: start warm, register with the control plane, heartbeat, serve.
+
+It binds its own port (0 = any free one) and tells the control plane the address, so a
+pool can start many workers without choosing ports. It exits when its parent (the local
+pool) dies, so a crashed control plane never leaves orphan workers holding GPUs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+import uvicorn
+
+from hotpool.worker.protocol import WorkerInfo
+from hotpool.worker.server import build_worker_app
+from hotpool.worker.service import WorkerService, pick_device
+from hotpool.worker.snapshot.cache import SnapshotCache
+
+log = logging.getLogger("hotpool.worker")
+
+HEARTBEAT_S = 2.0
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    worker_id: str
+    control_plane_url: str
+    token: str
+    cache_dir: Path
+    device: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 0
+    parent_pid: int | None = None
+    log_level: str = "info"
+
+
+def device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def run_worker(opts: WorkerOptions) -> None:
+    asyncio.run(_main(opts))
+
+
+async def _main(opts: WorkerOptions) -> None:
+    device = pick_device(opts.device)
+    if device.type == "cuda":
+        torch.cuda.init()
+    service = WorkerService(SnapshotCache(opts.cache_dir), device)
+    app = build_worker_app(service, opts.token, opts.worker_id)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((opts.host, opts.port))
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(
+        app, log_level=opts.log_level, access_log=False, timeout_graceful_shutdown=10
+    )
+    server = uvicorn.Server(config)
+
+    def info() -> WorkerInfo:
+        loaded = service.loaded.deployment if service.loaded else None
+        return WorkerInfo(
+            opts.worker_id,
+            f"http://{host}:{port}",
+            os.getpid(),
+            str(device),
+            device_memory(device),
+            loaded,
+        )
+
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serving.done():  # noqa: ASYNC110 (uvicorn has only a flag)
+        await asyncio.sleep(0.01)
+    beat = asyncio.create_task(_heartbeat(opts, info, server))
+    try:
+        await serving
+    finally:
+        beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beat
+        await service.unload()
+
+
+async def _heartbeat(
+    opts: WorkerOptions, info: Callable[[], WorkerInfo], server: uvicorn.Server
+) -> None:
+    headers = {"authorization": f"Bearer {opts.token}"}
+    base = opts.control_plane_url.rstrip("/")
+    registered = False
+    async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
+        while not server.should_exit:
+            if opts.parent_pid is not None and os.getppid() != opts.parent_pid:
+                log.warning("parent process %s is gone; worker exits", opts.parent_pid)
+                server.should_exit = True
+                return
+            try:
+                if not registered:
+                    r = await client.post(
+                        f"{base}/internal/workers/register", json=info().to_json()
+                    )
+                    if r.status_code == 410:  # not a worker this control plane wants
+                        server.should_exit = True
+                        return
+                    r.raise_for_status()
+                    registered = True
+                    log.info("registered %s at %s", opts.worker_id, info().address)
+                else:
+                    r = await client.post(
+                        f"{base}/internal/workers/{opts.worker_id}/heartbeat", json=info().to_json()
+                    )
+                    if r.status_code == 404:  # the control plane restarted and forgot us
+                        registered = False
+                        continue
+                    if r.status_code == 410:  # the pool released this worker
+                        server.should_exit = True
+                        return
+            except httpx.HTTPError as exc:
+                log.warning("control plane unreachable: %s", exc)
+            await asyncio.sleep(HEARTBEAT_S if registered else 0.2)

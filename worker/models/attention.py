@@ -1,0 +1,99 @@
+"""The attention interface models are written against, and a contiguous-cache backend.
+
+A model calls ``attn.forward(layer, q, k, v)`` once per layer with this step's new tokens;
+the backend writes k/v into its cache and attends q over everything cached so far. The
+paged KV cache (issue 3) is another implementation of the same interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+
+class Attention(ABC):
+    """Per-step attention over a KV cache.
+
+    Contract: ``q`` is ``[T, num_heads, head_dim]``, ``k`` and ``v`` are
+    ``[T, num_kv_heads, head_dim]`` for the step's T new tokens (rotary already applied);
+    the result is ``[T, num_heads, head_dim]``, causal over the cached context plus the new
+    tokens. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    """
+
+    @abstractmethod
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class SequenceKVCache:
+    """K and V for one sequence, preallocated for its whole lifetime: ``[layers, cap, H, D]``."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        capacity: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, capacity, num_kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+
+
+class ContiguousAttention(Attention):
+    """Attention for one sequence whose tokens ``[start, start + T)`` are being computed."""
+
+    def __init__(self, cache: SequenceKVCache, start: int, num_tokens: int) -> None:
+        if start + num_tokens > cache.capacity:
+            raise ValueError(
+                f"KV cache holds {cache.capacity} tokens, step needs {start + num_tokens}"
+            )
+        self.cache = cache
+        self.start = start
+        self.end = start + num_tokens
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.cache.k[layer, self.start : self.end] = k
+        self.cache.v[layer, self.start : self.end] = v
+        keys = self.cache.k[layer, : self.end]
+        values = self.cache.v[layer, : self.end]
+        if q.shape[0] == 1:
+            return _decode_one(q, keys, values)
+        return _prefill(q, keys, values, self.start)
+
+
+def _decode_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    # One query token: two batched matmuls per KV-head group beat SDPA on CPU (PERF_NOTES).
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    n_kv = keys.shape[1]
+    qg = q.view(n_kv, n_heads // n_kv, head_dim)  # [Hkv, G, D]
+    scores = torch.bmm(qg, keys.permute(1, 2, 0)) * (head_dim**-0.5)  # [Hkv, G, S]
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.bmm(probs, values.transpose(0, 1))  # [Hkv, G, D]
+    return out.reshape(1, n_heads, head_dim)
+
+
+def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    t, s = q.shape[0], keys.shape[0]
+    mask = None
+    if start > 0:  # new tokens after a cached prefix: token i sees positions <= start + i
+        cols = torch.arange(s, device=q.device)
+        rows = torch.arange(start, start + t, device=q.device)
+        mask = cols[None, :] <= rows[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=start == 0,
+        enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1)

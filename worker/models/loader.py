@@ -1,0 +1,54 @@
+"""Build a model from a snapshot folder: config.json plus ``*.safetensors``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from hotpool.worker.models.llama import (
+    LlamaConfig,
+    LlamaModel,
+    RotaryEmbedding,
+    convert_hf_state_dict,
+)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class ModelLoadError(Exception):
+    """The snapshot holds a model this worker cannot run."""
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype | None = None) -> LlamaModel:
+    """Load a HF-format Llama checkpoint. ``dtype=None`` keeps the checkpoint's dtype."""
+    config = json.loads((path / "config.json").read_text())
+    arch = (config.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"architecture {arch!r} is not supported (have {SUPPORTED_ARCHITECTURES})"
+        )
+    cfg = LlamaConfig.from_hf(config)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors in {path}")
+    hf: dict[str, torch.Tensor] = {}
+    for f in files:
+        hf.update(load_file(f, device=str(device)))
+    state = convert_hf_state_dict(hf, cfg)
+    target = dtype or hf["model.embed_tokens.weight"].dtype
+    state = {k: v.to(target) for k, v in state.items()}
+    # Build on the meta device and adopt the loaded tensors (no random init, no extra copy).
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model.load_state_dict(state, strict=False, assign=True)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {missing[:3]}")
+    with torch.device(device):
+        model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+    return model.eval().requires_grad_(False)

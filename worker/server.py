@@ -1,0 +1,173 @@
+"""The worker's internal HTTP API (never public): bearer token on everything but /health.
+
+``POST /load``, ``POST /unload``, ``POST /generate`` (NDJSON stream of GenerateEvent),
+``POST /abort/{request_id}``, ``GET /health``, ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from hotpool.worker.engine.base import RequestRejected
+from hotpool.worker.models.loader import ModelLoadError
+from hotpool.worker.protocol import GenerateEvent, GenerateRequest, LoadRequest
+from hotpool.worker.service import NotLoaded, WorkerService
+from hotpool.worker.snapshot.errors import SnapshotError
+from hotpool.worker.tokenizer import TemplateError
+
+log = logging.getLogger(__name__)
+
+
+class BearerAuth:
+    """Pure ASGI middleware: the shared worker token, compared in constant time."""
+
+    def __init__(
+        self, app: ASGIApp, token: str, open_paths: tuple[str, ...] = ("/health",)
+    ) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                await _error(401, "invalid worker token", "authentication_error")(
+                    scope, receive, send
+                )
+                return
+        await self.app(scope, receive, send)
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": None}}, status
+    )
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "hotpool_worker_requests",
+            "Generations by finish reason",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "hotpool_worker_tokens", "Tokens processed", ["kind"], registry=self.registry
+        )
+        self.cold_start = Histogram(
+            "hotpool_worker_cold_start_seconds",
+            "Cold-start time by phase",
+            ["phase"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+            registry=self.registry,
+        )
+
+
+def build_worker_app(service: WorkerService, token: str, worker_id: str) -> ASGIApp:
+    metrics = WorkerMetrics()
+
+    async def health(_: Request) -> Response:
+        loaded = service.loaded
+        return JSONResponse(
+            {
+                "status": "ok",
+                "worker_id": worker_id,
+                "device": str(service.device),
+                "loaded": loaded.deployment if loaded else None,
+                "digest": loaded.digest if loaded else None,
+                "active_requests": loaded.engine.num_active if loaded else 0,
+            }
+        )
+
+    async def load(request: Request) -> Response:
+        body = await _json(request)
+        if not isinstance(body, dict) or not body.get("snapshot_uri") or not body.get("deployment"):
+            return _error(400, "body must be {deployment, snapshot_uri, dtype?}")
+        try:
+            result = await service.load(LoadRequest(**body))
+        except (SnapshotError, ModelLoadError, KeyError, TypeError) as exc:
+            return _error(422, f"cannot load {body.get('snapshot_uri')}: {exc}")
+        for phase, seconds in result.phases.items():
+            metrics.cold_start.labels(phase).observe(seconds)
+        return JSONResponse(result.to_json())
+
+    async def unload(_: Request) -> Response:
+        await service.unload()
+        return JSONResponse({"status": "unloaded"})
+
+    async def abort(request: Request) -> Response:
+        return JSONResponse({"aborted": service.abort(request.path_params["request_id"])})
+
+    async def generate(request: Request) -> Response:
+        body = await _json(request)
+        try:
+            req = GenerateRequest.from_json(body)
+        except (KeyError, TypeError, AttributeError) as exc:
+            return _error(400, f"malformed generate request: {exc}")
+        events = service.generate(req)
+        try:
+            first = await anext(events)  # validation errors surface here, before any byte is sent
+        except NotLoaded as exc:
+            return _error(409, str(exc), "not_loaded")
+        except (RequestRejected, TemplateError) as exc:
+            return _error(400, str(exc))
+        return StreamingResponse(_ndjson(first, events, metrics), media_type="application/x-ndjson")
+
+    async def prom(_: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
+
+    app = Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/load", load, methods=["POST"]),
+            Route("/unload", unload, methods=["POST"]),
+            Route("/generate", generate, methods=["POST"]),
+            Route("/abort/{request_id}", abort, methods=["POST"]),
+            Route("/metrics", prom),
+        ]
+    )
+    return BearerAuth(app, token)
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+async def _ndjson(
+    first: GenerateEvent, rest: AsyncIterator[GenerateEvent], metrics: WorkerMetrics
+) -> AsyncIterator[bytes]:
+    event = first
+    try:
+        while True:
+            if event.finish_reason is not None and event.usage is not None:
+                metrics.requests.labels(event.finish_reason or "unknown").inc()
+                metrics.tokens.labels("prompt").inc(event.usage.prompt_tokens)
+                metrics.tokens.labels("completion").inc(event.usage.completion_tokens)
+            yield (json.dumps(event.to_json()) + "\n").encode()
+            if event.finish_reason is not None:
+                return
+            event = await anext(rest)
+    except Exception as exc:  # a failure mid-stream ends it with an error event
+        log.exception("generation failed")
+        yield (
+            json.dumps(GenerateEvent(finish_reason="error", error=str(exc)).to_json()) + "\n"
+        ).encode()
+    finally:
+        await rest.aclose()  # client gone: closing the generator aborts the engine request

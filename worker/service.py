@@ -1,0 +1,141 @@
+"""What a worker does, independent of HTTP: load a snapshot, generate, unload.
+
+A worker holds at most one loaded deployment (it is then a replica of it). Loading is a
+timed cold start: fetch the snapshot into the local cache (skipped on a hit), load weights,
+warm up with one short forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from hotpool.worker.detokenizer import IncrementalDetokenizer
+from hotpool.worker.engine.async_engine import AsyncEngine
+from hotpool.worker.engine.base import EngineRequest, RequestRejected
+from hotpool.worker.engine.simple import SimpleEngine
+from hotpool.worker.models.loader import DTYPES, load_model
+from hotpool.worker.protocol import (
+    GenerateEvent,
+    GenerateRequest,
+    LoadRequest,
+    LoadResult,
+    SamplingParams,
+    Usage,
+)
+from hotpool.worker.snapshot.cache import SnapshotCache
+from hotpool.worker.tokenizer import TextTokenizer
+
+
+class NotLoaded(RuntimeError):
+    """No snapshot is loaded on this worker."""
+
+
+@dataclass
+class LoadedModel:
+    deployment: str
+    digest: str
+    tokenizer: TextTokenizer
+    engine: AsyncEngine
+
+
+def pick_device(setting: str) -> torch.device:
+    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+class WorkerService:
+    def __init__(self, cache: SnapshotCache, device: torch.device, max_num_seqs: int = 8) -> None:
+        self.cache = cache
+        self.device = device
+        self.max_num_seqs = max_num_seqs
+        self.loaded: LoadedModel | None = None
+        self._lock = asyncio.Lock()
+
+    async def load(self, req: LoadRequest) -> LoadResult:
+        async with self._lock:
+            if self.loaded is not None:
+                await self._unload_locked()
+            result, loaded = await asyncio.to_thread(self._load_blocking, req)
+            self.loaded = loaded
+            return result
+
+    def _load_blocking(self, req: LoadRequest) -> tuple[LoadResult, LoadedModel]:
+        snap = self.cache.fetch(req.snapshot_uri)
+        t0 = time.perf_counter()
+        dtype = DTYPES[req.dtype] if req.dtype else None
+        model = load_model(snap.path, self.device, dtype)
+        tokenizer = TextTokenizer(snap.path)
+        t1 = time.perf_counter()
+        engine = SimpleEngine(model, self.device, max_num_seqs=self.max_num_seqs)
+        _warm_up(engine)
+        t2 = time.perf_counter()
+        phases = {"fetch": snap.fetch_seconds, "load": t1 - t0, "warmup": t2 - t1}
+        loaded = LoadedModel(req.deployment, snap.manifest.digest, tokenizer, AsyncEngine(engine))
+        return LoadResult(req.deployment, snap.manifest.digest, snap.cache_hit, phases), loaded
+
+    async def unload(self) -> None:
+        async with self._lock:
+            await self._unload_locked()
+
+    async def _unload_locked(self) -> None:
+        if self.loaded is not None:
+            engine, self.loaded = self.loaded.engine, None
+            await asyncio.to_thread(engine.shutdown)
+
+    def abort(self, request_id: str) -> bool:
+        return self.loaded is not None and self.loaded.engine.abort(request_id)
+
+    def prepare(self, req: GenerateRequest) -> tuple[LoadedModel, EngineRequest]:
+        """Tokenize; raises ``NotLoaded`` / ``TemplateError`` before anything is streamed."""
+        loaded = self.loaded
+        if loaded is None:
+            raise NotLoaded("no model is loaded on this worker")
+        tok = loaded.tokenizer
+        text = (
+            tok.apply_chat_template(req.messages) if req.messages is not None else req.prompt or ""
+        )
+        ids = tuple(tok.encode(text))
+        return loaded, EngineRequest(req.request_id, ids, req.params, tok.eos_token_ids)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateEvent]:
+        """Stream text deltas; the last event has ``finish_reason`` and exact ``usage``."""
+        loaded, ereq = self.prepare(req)
+        detok = IncrementalDetokenizer(loaded.tokenizer, req.params.stop)
+        n_prompt, n_out = len(ereq.prompt_token_ids), 0
+        try:
+            async for out in loaded.engine.generate(ereq):
+                n_out += len(out.new_token_ids)
+                text = detok.push(out.new_token_ids)
+                reason = "stop" if detok.stopped else out.finish_reason
+                if reason is not None:
+                    text += detok.flush()
+                    usage = Usage(n_prompt, n_out, out.num_cached_tokens)
+                    yield GenerateEvent(text, out.new_token_ids, reason, usage)
+                    return  # leaving the engine's iterator aborts it if it was a stop string
+                if text or out.new_token_ids:
+                    # Running usage on every event: whoever cuts the stream knows what it cost.
+                    yield GenerateEvent(text, out.new_token_ids, usage=Usage(n_prompt, n_out))
+        except RequestRejected:
+            raise  # before any token: the caller answers 400
+        except Exception as exc:
+            # The tokens already computed are still billable: report them with the error.
+            yield GenerateEvent(finish_reason="error", usage=Usage(n_prompt, n_out), error=str(exc))
+
+
+def _warm_up(engine: SimpleEngine) -> None:
+    # One real step through every layer so the first user request pays no lazy init.
+    req = EngineRequest(
+        "warmup", (1, 2, 3, 4), SamplingParams(max_tokens=2, temperature=0.0), frozenset()
+    )
+    engine.add_request(req)
+    while engine.has_unfinished():
+        engine.step()
+
+
+__all__ = ["NotLoaded", "RequestRejected", "WorkerService", "pick_device"]

@@ -1,0 +1,1 @@
+"""Snapshots: manifests, object stores, the worker's local cache and the GGUF converter."""
