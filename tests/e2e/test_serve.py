@@ -1,0 +1,148 @@
+"""hotpool end to end: a real server, real worker processes, SmolLM2, the SQLite ledger."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+from server_process import Server
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/v1/chat/completions"
+
+
+def _chat(server: Server, content: str, **extra: object) -> httpx.Response:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": content}], **extra}
+    return httpx.post(server.url + CHAT, json=body, timeout=300)
+
+
+def test_capital_of_france_is_paris_and_the_ledger_holds_its_exact_usage(server: Server) -> None:
+    r = _chat(server, "What is the capital of France?", temperature=0)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    row = server.ledger_row(r.headers["x-request-id"])
+    assert (row.prompt_tokens, row.completion_tokens) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert (
+        row.status == "completed"
+        and row.deployment == "smollm2"
+        and row.endpoint == "chat.completions"
+    )
+
+
+def test_official_openai_client_streaming_and_not(server: Server) -> None:
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    full = client.chat.completions.create(
+        model="smollm2", messages=messages, temperature=0, max_tokens=24
+    )
+    text = full.choices[0].message.content
+    assert text and full.usage and full.usage.completion_tokens <= 24
+
+    stream = client.chat.completions.create(
+        model="smollm2", messages=messages, temperature=0, max_tokens=24,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text  # greedy: streaming and not give the same answer
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[
+        0
+    ].finish_reason
+
+    done = client.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=5, temperature=0
+    )
+    assert "Paris" in done.choices[0].text and done.usage.completion_tokens == 5
+    assert done.choices[0].finish_reason == "length"
+    assert [m.id for m in client.models.list()] == ["smollm2"]
+
+
+def test_raw_sse_stream_ends_with_usage_then_done(server: Server) -> None:
+    body = {"model": "smollm2", "prompt": "Hello", "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        request_id = r.headers["x-request-id"]
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    usage = json.loads(lines[-2].removeprefix("data: "))["usage"]
+    assert usage["completion_tokens"] == 4
+    row = server.ledger_row(request_id)
+    assert (row.prompt_tokens, row.completion_tokens) == (usage["prompt_tokens"], 4)
+
+
+def test_client_that_disconnects_is_billed_for_what_it_got(server: Server) -> None:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 400, "stream": True}  # fmt: skip
+    with httpx.stream("POST", server.url + CHAT, json=body, timeout=300) as r:
+        request_id = r.headers["x-request-id"]
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data: ")
+            if got >= 4:
+                break  # leave mid-stream
+    row = server.ledger_row(request_id)
+    assert row.status == "cancelled"
+    assert 1 <= row.completion_tokens < 400 and row.prompt_tokens > 0
+
+
+def test_bad_requests_get_openai_errors_and_no_worker_time(server: Server) -> None:
+    r = _chat(server, "hi", max_tokens=100_000)
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    r = httpx.post(
+        server.url + CHAT, json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def _replicas(server: Server, name: str) -> list[dict[str, object]]:
+    return httpx.get(f"{server.url}/v1/deployments/{name}").json()["replicas"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def test_idle_deployment_scales_to_zero_and_the_next_request_cold_starts(server: Server) -> None:
+    spec = {"name": "idle", "snapshot_uri": server.snapshot_uri, "idle_timeout_s": 2}
+    r = httpx.post(f"{server.url}/v1/deployments", json=spec)
+    assert r.status_code == 201, r.text
+    assert _replicas(server, "idle") == []  # nothing held before the first request
+
+    body = {"model": "idle", "prompt": "One, two,", "max_tokens": 3}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=300).status_code == 200
+    (replica,) = _replicas(server, "idle")
+    pid = int(replica["pid"])  # type: ignore[arg-type]
+    assert replica["state"] == "ready" and _alive(pid)
+    assert set(replica["cold_start_phases"]) == {"fetch", "load", "warmup"}  # type: ignore[arg-type]
+
+    deadline = time.monotonic() + 30
+    while _replicas(server, "idle") or _alive(pid):
+        assert time.monotonic() < deadline, "the idle worker was not released"
+        time.sleep(0.25)
+
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    (again,) = _replicas(server, "idle")
+    assert again["pid"] != pid and again["snapshot_cache_hit"] is True
+    assert server.ledger_row(r.headers["x-request-id"]).cold_start is True
+    assert os.path.exists(server.home / "logs")

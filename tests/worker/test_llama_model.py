@@ -1,0 +1,61 @@
+"""The model's math: against HF transformers' Llama, and cached vs uncached attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_llama import TINY, tiny_model
+
+from hotpool.worker.models.attention import ContiguousAttention, SequenceKVCache
+from hotpool.worker.models.llama import LlamaModel, convert_hf_state_dict
+
+
+def _logits(model: LlamaModel, ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Logits for every position, computing the sequence in the given chunk sizes."""
+    cfg = model.config
+    cache = SequenceKVCache(cfg.num_hidden_layers, len(ids), cfg.num_key_value_heads, cfg.head_dim,
+                            torch.float32, torch.device("cpu"))  # fmt: skip
+    out, start = [], 0
+    with torch.inference_mode():
+        for n in chunks:
+            t = torch.tensor(ids[start : start + n])
+            hidden = model(t, torch.arange(start, start + n), ContiguousAttention(cache, start, n))
+            out.append(model.logits(hidden))
+            start += n
+    return torch.cat(out)
+
+
+def test_matches_hf_transformers_llama_with_the_same_weights() -> None:
+    import transformers
+
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+              "rope_theta", "max_position_embeddings", "tie_word_embeddings")  # fmt: skip
+    hf_cfg = transformers.LlamaConfig(
+        **{f: getattr(TINY, f) for f in fields}, attn_implementation="eager"
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.2)
+    ours = tiny_model()
+    ours.load_state_dict(convert_hf_state_dict(hf.state_dict(), TINY), strict=False)
+    ids = [5, 17, 3, 88, 42, 42, 7, 1, 60, 33, 12]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(ours, ids, [len(ids)]), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunks", [[1] * 12, [5, 1, 1, 5], [3, 4, 5], [11, 1]])
+def test_cached_decode_and_chunked_prefill_equal_one_full_pass(chunks: list[int]) -> None:
+    model = tiny_model(seed=1)
+    ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
+    full = _logits(model, ids, [len(ids)])
+    torch.testing.assert_close(_logits(model, ids, chunks), full, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_rejects_a_step_past_the_cache() -> None:
+    cache = SequenceKVCache(1, 4, 1, 8, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="holds 4 tokens"):
+        ContiguousAttention(cache, 3, 2)
