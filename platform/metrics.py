@@ -6,13 +6,21 @@ from __future__ import annotations
 from collections import Counter as Tally
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from hotpool.pool.pool import WorkerPool
 from hotpool.pool.replica import Replica, ReplicaState
 from hotpool.worker.protocol import Usage
+
+disable_created_metrics()  # `_created` series double the output and nobody graphs them
 
 # LLM latencies: tens of ms for a token, seconds to minutes for a cold start or a long answer.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

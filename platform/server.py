@@ -41,7 +41,16 @@ def _head_revision(db: Database) -> str | None:
     return ScriptDirectory.from_config(db.alembic_config()).get_current_head()
 
 
+class _QuietInternal(logging.Filter):
+    """Worker heartbeats every few seconds would drown the access log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "/internal/workers/" not in record.getMessage()
+
+
 def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> None:
+    logging.getLogger("uvicorn.access").addFilter(_QuietInternal())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per worker call otherwise
     settings.home.mkdir(parents=True, exist_ok=True)
     db = open_database(settings)
     store = DeploymentStore(db)

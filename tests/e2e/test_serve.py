@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import httpx
@@ -146,3 +148,23 @@ def test_idle_deployment_scales_to_zero_and_the_next_request_cold_starts(server:
     assert again["pid"] != pid and again["snapshot_cache_hit"] is True
     assert server.ledger_row(r.headers["x-request-id"]).cold_start is True
     assert os.path.exists(server.home / "logs")
+
+
+def test_cli_deploy_invoke_and_usage_against_the_server(server: Server) -> None:
+    def hotpool(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "HOTPOOL_HOME": str(server.home)}
+        cmd = [sys.executable, "-m", "hotpool", *args, "--url", server.url]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+    out = hotpool("deploy", "cli-demo", "--snapshot", server.snapshot_uri, "--idle-timeout", "5")
+    assert out.returncode == 0 and "deployed cli-demo" in out.stdout, out.stderr
+    again = hotpool("deploy", "cli-demo", "--snapshot", server.snapshot_uri)
+    assert again.returncode != 0 and "already exists" in again.stderr
+
+    out = hotpool("invoke", "smollm2", "What is the capital of France?", "--temperature", "0")
+    assert out.returncode == 0 and "Paris" in out.stdout, out.stderr
+    assert "prompt +" in out.stderr  # usage goes to stderr, the answer to stdout
+
+    out = hotpool("usage")
+    assert out.returncode == 0, out.stderr
+    assert any(line.split()[1:2] == ["smollm2"] for line in out.stdout.splitlines()[1:])
