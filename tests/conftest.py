@@ -10,6 +10,7 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,3 +64,24 @@ def smollm2_snapshot_fp32(smollm2_gguf: Path, test_cache_dir: Path) -> Path:
 def smollm2_snapshot_bf16(smollm2_gguf: Path, test_cache_dir: Path) -> Path:
     """SmolLM2 converted to a bf16 snapshot folder, the dtype ``hotpool pull`` defaults to."""
     return _converted_smollm2(smollm2_gguf, test_cache_dir, "bf16")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_gguf: Path) -> Any:
+    """HF transformers' tokenizer read from the same GGUF: the parity reference."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_model(smollm2_gguf: Path) -> Any:
+    """HF transformers' model loaded from the GGUF in fp32 (needs `accelerate`); ~15 s."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()

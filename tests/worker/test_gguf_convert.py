@@ -30,11 +30,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_gguf_tokenizer(smollm2_gguf: Path) -> Any:
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name
-    )
+def hf_gguf_tokenizer(hf_smollm2_tokenizer: Any) -> Any:
+    return hf_smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +131,8 @@ def test_digits_split_before_the_byte_level_regex(ours: Tokenizer) -> None:
 
 
 def test_chat_template_renders_like_hf(smollm2_snapshot_fp32: Path, hf_gguf_tokenizer: Any) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     ours_hf = transformers.AutoTokenizer.from_pretrained(smollm2_snapshot_fp32)
     messages = [{"role": "user", "content": "Hi there"}]
     rendered = ours_hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -156,13 +154,11 @@ def test_unsupported_dtype_is_rejected(smollm2_gguf: Path, tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_weights_and_logits_match_hf_loading_the_gguf(
-    smollm2_gguf: Path, smollm2_snapshot_fp32: Path
+    hf_smollm2_model: Any, smollm2_snapshot_fp32: Path
 ) -> None:
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it to load a GGUF
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
+    import transformers
+
+    reference = hf_smollm2_model
     expected = reference.state_dict()
     converted = load_file(smollm2_snapshot_fp32 / "model.safetensors")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,16 +25,9 @@ NEW_TOKENS = 32
 
 @pytest.mark.slow
 def test_greedy_tokens_match_hf_transformers_on_four_chat_prompts(
-    smollm2_gguf: Path, smollm2_snapshot_fp32: Path
+    hf_smollm2_tokenizer: Any, hf_smollm2_model: Any, smollm2_snapshot_fp32: Path
 ) -> None:
-    import transformers  # test-only peer; it needs `accelerate` to load a GGUF
-
-    hf_tok = transformers.AutoTokenizer.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name
-    )
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
+    hf_tok, hf = hf_smollm2_tokenizer, hf_smollm2_model
 
     tok = TextTokenizer(smollm2_snapshot_fp32)
     engine = SimpleEngine(
