@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,8 +27,7 @@ def _settings() -> Settings:
 def _api_url(url: str | None) -> str:
     if url:
         return url.rstrip("/")
-    port = os.environ.get("HOTPOOL_PORT") or "8000"
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{_settings().port}"
 
 
 def _snapshot_uri(settings: Settings, value: str) -> str:
@@ -42,10 +40,12 @@ def _snapshot_uri(settings: Settings, value: str) -> str:
 def _call(method: str, url: str, **kwargs: Any) -> Any:
     try:
         r = httpx.request(method, url, timeout=httpx.Timeout(600.0, connect=5.0), **kwargs)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.ConnectTimeout):
         raise click.ClickException(
             f"cannot reach hotpool at {url}; is `hotpool serve` running?"
         ) from None
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+        raise click.ClickException(f"invalid hotpool URL {url}: {exc}") from None
     if r.status_code >= 400:
         try:
             message = r.json()["error"]["message"]

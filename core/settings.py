@@ -6,6 +6,7 @@ A bad value raises :class:`SettingsError` whose message is one line naming the s
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -70,8 +71,8 @@ def _positive_int(raw: str) -> int:
 
 def _positive_float(raw: str) -> float:
     value = float(raw)
-    if not value > 0:
-        raise ValueError("must be a number > 0")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError("must be a finite number > 0")
     return value
 
 

@@ -46,7 +46,10 @@ def _sample_row(logits: torch.Tensor, p: RowParams) -> int:
         probs = torch.where(keep, probs, torch.zeros_like(probs))
         probs = probs / probs.sum()
     # One uniform draw and a search in the cumulative sum: the same distribution as
-    # multinomial, much cheaper over a long row.
-    u = torch.rand((), generator=p.generator) * probs.sum()
-    idx = int(torch.searchsorted(torch.cumsum(probs, dim=-1), u, right=True).clamp(max=k - 1))
+    # multinomial, much cheaper over a long row. Scale by the cumsum's own last value (not
+    # ``probs.sum()``, which rounds differently) and take the first cdf >= u: then u never
+    # lands past the last kept token, so a token top-p removed can never be drawn.
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.rand((), generator=p.generator) * cdf[-1]
+    idx = int(torch.searchsorted(cdf, u).clamp(max=k - 1))
     return int(ids[idx])

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from hotpool.platform.errors import APIError
+
+log = logging.getLogger("hotpool.api")
 
 
 def new_request_id() -> str:
@@ -15,7 +20,9 @@ class RequestIdMiddleware:
     """Every response carries a fresh ``x-request-id``, also kept in ``scope["state"]``.
 
     It is the ledger's key for the request. It is always minted here, never taken from the
-    client: a client-chosen id would let one request be billed in place of another.
+    client: a client-chosen id would let one request be billed in place of another. An
+    unhandled error becomes the OpenAI-shaped 500 here, so that response carries the id too
+    (Starlette's own error middleware sits outside this one).
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -27,13 +34,27 @@ class RequestIdMiddleware:
             return
         request_id = new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
+        started = False
 
         async def send_with_id(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message["headers"] = [
                     *message.get("headers", []),
                     (b"x-request-id", request_id.encode()),
                 ]
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception(
+                "unhandled error in %s %s (%s)", scope["method"], scope["path"], request_id
+            )
+            if started:
+                raise  # mid-stream: nothing sane can be sent any more
+            body = APIError(
+                500, "internal server error; this is a bug in hotpool", type="api_error"
+            )
+            await body.response()(scope, receive, send_with_id)

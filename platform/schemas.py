@@ -56,7 +56,7 @@ def parse_chat(body: Any) -> CompletionCall:
     b.unsupported_unless(
         "response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text")
     )
-    b.unsupported_unless("logprobs", lambda v: v in (None, False))
+    b.unsupported_unless("logprobs", lambda v: v is None or v is False)
     return _call(b, "chat.completions", max_tokens, messages=messages)
 
 
@@ -75,8 +75,8 @@ def parse_completion(body: Any) -> CompletionCall:
     max_tokens = b.opt_int("max_tokens", 1, default=16)  # OpenAI's default for completions
     b.unsupported_unless("echo", lambda v: v in (None, False))
     b.unsupported_unless("suffix", lambda v: v is None)
-    b.unsupported_unless("best_of", lambda v: v in (None, 1))
-    b.unsupported_unless("logprobs", lambda v: v in (None, 0))
+    b.unsupported_unless("best_of", lambda v: v is None or _number_is(v, 1))
+    b.unsupported_unless("logprobs", lambda v: v is None or _number_is(v, 0))
     return _call(b, "completions", max_tokens, prompt=prompt)
 
 
@@ -100,11 +100,10 @@ def _call(
         include_usage = options.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise invalid("`stream_options.include_usage` must be a boolean", "stream_options")
-    b.unsupported_unless("n", lambda v: v in (None, 1), "only n=1 is supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        b.unsupported_unless(name, lambda v: v in (None, 0, 0.0))
-    b.unsupported_unless("min_p", lambda v: v in (None, 0, 0.0))
-    b.unsupported_unless("repetition_penalty", lambda v: v in (None, 1, 1.0))
+    b.unsupported_unless("n", lambda v: v is None or _number_is(v, 1), "only n=1 is supported")
+    for name in ("presence_penalty", "frequency_penalty", "min_p"):
+        b.unsupported_unless(name, lambda v: v is None or _number_is(v, 0))
+    b.unsupported_unless("repetition_penalty", lambda v: v is None or _number_is(v, 1))
     b.unsupported_unless("logit_bias", lambda v: not v)
     temperature = b.opt_number("temperature", 0.0, 2.0, 1.0)
     top_p = b.opt_number("top_p", 0.0, 1.0, 1.0)
@@ -201,6 +200,11 @@ class _Body:
             raise invalid(
                 why or f"`{name}` is not supported yet by hotpool", name, "unsupported_parameter"
             )
+
+
+def _number_is(value: Any, target: float) -> bool:
+    # bool is an int in Python: `n: true` must not pass for `n: 1`.
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == target
 
 
 def _tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:

@@ -65,7 +65,13 @@ def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> Non
     # Bind first, so the workers learn the real port even when HOTPOOL_PORT=0.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError as exc:
+        raise StartupError(
+            f"cannot listen on {settings.host}:{settings.port} ({exc.strerror}); "
+            "set HOTPOOL_PORT or --port to another port"
+        ) from None
     host, port = sock.getsockname()[:2]
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     token = settings.worker_token or secrets.token_urlsafe(32)

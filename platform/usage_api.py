@@ -11,19 +11,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from hotpool.billing.usage import (
-    BUCKET_WIDTHS,
-    UsageBucketRow,
-    bucket_starts,
-    floor_to_bucket,
-    usage_buckets,
-)
+from hotpool.billing.usage import BUCKET_WIDTHS, UsageBucketRow, floor_to_bucket, usage_buckets
 from hotpool.platform.errors import invalid
 from hotpool.platform.services import Services
 
 DEFAULT_LIMIT = {"1d": 7, "1h": 24, "1m": 60}
 MAX_LIMIT = {"1d": 31, "1h": 168, "1m": 1440}
 PARAMS = {"start_time", "end_time", "bucket_width", "group_by", "models", "limit"}
+# 9999-01-01: a page of buckets after any accepted time still fits in a datetime.
+MAX_TIMESTAMP = 253370764800
 
 
 def _int_param(request: Request, name: str) -> int | None:
@@ -36,6 +32,15 @@ def _int_param(request: Request, name: str) -> int | None:
         raise invalid(f"`{name}` must be an integer", name) from None
 
 
+def _time_param(request: Request, name: str) -> datetime | None:
+    ts = _int_param(request, name)
+    if ts is None:
+        return None
+    if not 0 <= ts < MAX_TIMESTAMP:
+        raise invalid(f"`{name}` must be a Unix time in seconds from 0 to {MAX_TIMESTAMP}", name)
+    return datetime.fromtimestamp(ts, UTC)
+
+
 async def get_usage(request: Request) -> Response:
     services: Services = request.app.state.services
     q = request.query_params
@@ -45,7 +50,9 @@ async def get_usage(request: Request) -> Response:
     width = q.get("bucket_width", "1d")
     if width not in BUCKET_WIDTHS:
         raise invalid("`bucket_width` must be one of 1m, 1h, 1d", "bucket_width")
-    limit = _int_param(request, "limit") or DEFAULT_LIMIT[width]
+    limit = _int_param(request, "limit")
+    if limit is None:
+        limit = DEFAULT_LIMIT[width]
     if not 1 <= limit <= MAX_LIMIT[width]:
         raise invalid(
             f"`limit` must be between 1 and {MAX_LIMIT[width]} for bucket_width={width}", "limit"
@@ -53,21 +60,23 @@ async def get_usage(request: Request) -> Response:
     group_by = q.get("group_by")
     if group_by not in (None, "model"):
         raise invalid("`group_by` supports only `model`", "group_by")
-    now = datetime.now(UTC)
-    end_ts, start_ts = _int_param(request, "end_time"), _int_param(request, "start_time")
-    end = datetime.fromtimestamp(end_ts, UTC) if end_ts is not None else now
-    start = (
-        datetime.fromtimestamp(start_ts, UTC)
-        if start_ts is not None
-        else floor_to_bucket(end, width) - (limit - 1) * BUCKET_WIDTHS[width]
-    )
+    step = BUCKET_WIDTHS[width]
+    end = _time_param(request, "end_time") or datetime.now(UTC)
+    start = _time_param(request, "start_time")
+    if start is None:
+        start = floor_to_bucket(end, width) - (limit - 1) * step
     if start >= end:
         raise invalid("`start_time` must be before `end_time`", "start_time")
+    # Only this page's buckets are built and queried: a range of years in 1m buckets must
+    # not enumerate millions of them.
+    first = floor_to_bucket(start, width)
+    total = -((first - end) // step)  # buckets that [start, end) touches
+    starts = [first + i * step for i in range(min(limit, total))]
+    page_end = min(end, starts[-1] + step)
     model = q.get("models")
     rows = await asyncio.to_thread(
-        usage_buckets, services.db, start, end, width, model, group_by == "model"
+        usage_buckets, services.db, start, page_end, width, model, group_by == "model"
     )
-    starts = bucket_starts(start, end, width)[:limit]
     by_start: dict[datetime, list[UsageBucketRow]] = {}
     for row in rows:
         by_start.setdefault(row.start, []).append(row)
@@ -75,12 +84,12 @@ async def get_usage(request: Request) -> Response:
         {
             "object": "bucket",
             "start_time": int(s.timestamp()),
-            "end_time": int((s + BUCKET_WIDTHS[width]).timestamp()),
+            "end_time": int((s + step).timestamp()),
             "results": [_result(r, group_by == "model") for r in by_start.get(s, [])],
         }
         for s in starts
     ]
-    more = len(bucket_starts(start, end, width)) > limit
+    more = total > limit
     return JSONResponse({"object": "page", "data": data, "has_more": more, "next_page": None})
 
 

@@ -25,17 +25,17 @@ class IncrementalDetokenizer:
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return newly final text. Sets :attr:`stopped` when a stop string hits."""
         self._ids.extend(token_ids)
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return ""
+        # An incomplete UTF-8 sequence decodes to U+FFFD at the end: hold it back until its
+        # last byte arrives, but look for stop strings in the text before it right away.
+        text = self._tok.decode(self._ids).rstrip("\ufffd")
         self._text = text
-        for s in self._stop:
-            # Only the unsent tail (plus overlap) can hold a new match.
-            at = text.find(s, max(0, self._sent - len(s)))
-            if at != -1:
-                self.stopped = True
-                self._text = text[:at]
-                return self._release(len(self._text))
+        # Only the unsent tail (plus overlap) can hold a new match; the earliest match wins,
+        # whatever the order of the stop strings.
+        hits = [at for s in self._stop if (at := text.find(s, max(0, self._sent - len(s)))) != -1]
+        if hits:
+            self.stopped = True
+            self._text = text[: min(hits)]
+            return self._release(len(self._text))
         return self._release(max(self._sent, len(text) - self._hold))
 
     def flush(self) -> str:

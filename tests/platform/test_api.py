@@ -1,0 +1,529 @@
+"""The control plane's public HTTP API as a client sees it: the real Starlette app, a real
+SQLite ledger, a real local-process backend (no request here ever reaches a worker)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from hotpool.billing.db import Database
+from hotpool.billing.ledger import Ledger, UsageRecord
+from hotpool.platform.app import build_services, create_app
+from hotpool.platform.services import Services
+from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig
+from hotpool.settings import load_settings
+
+TOKEN = "test-worker-token"
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture
+def services(tmp_path: Path) -> Iterator[Services]:
+    settings = load_settings({"HOTPOOL_HOME": str(tmp_path)})
+    db = Database(settings.database_url)
+    db.upgrade()
+    backend = LocalProcessBackend(
+        LocalWorkerConfig(
+            control_plane_url="http://127.0.0.1:9",
+            token=TOKEN,
+            cache_dir=settings.cache_dir,
+            log_dir=tmp_path / "logs",
+        )
+    )
+    try:
+        yield build_services(settings, db, backend, TOKEN)
+    finally:
+        db.dispose()
+
+
+@pytest.fixture
+def client(services: Services) -> Iterator[TestClient]:
+    with TestClient(create_app(services)) as c:
+        yield c
+
+
+@pytest.fixture
+def snapshot(tmp_path: Path) -> Path:
+    """A folder the API accepts as a snapshot (it only checks for manifest.json)."""
+    folder = tmp_path / "objects" / "snapshots" / "tiny"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text("{}")
+    return folder
+
+
+def error_of(r: httpx.Response, status: int) -> dict[str, Any]:
+    """The OpenAI-shaped error of a response, after checking its status."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == ERROR_KEYS
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]  # type: ignore[no-any-return]
+
+
+# --- basics -------------------------------------------------------------------------------
+
+
+def test_healthz(client: TestClient) -> None:
+    r = client.get("/healthz")
+    assert r.status_code == 200
+    assert r.json() == {"status": "ok"}
+
+
+def test_every_response_carries_a_fresh_request_id(client: TestClient) -> None:
+    responses = [
+        client.get("/healthz"),
+        client.get("/healthz"),
+        client.get("/nowhere"),
+        client.post("/v1/chat/completions", content=b"{"),
+        client.get("/metrics"),
+    ]
+    ids = [r.headers.get("x-request-id") for r in responses]
+    assert all(i and i.startswith("req_") for i in ids), ids
+    assert len(set(ids)) == len(ids)
+
+
+def test_client_cannot_choose_its_request_id(client: TestClient) -> None:
+    r = client.get("/healthz", headers={"x-request-id": "req_mine"})
+    assert r.headers["x-request-id"] != "req_mine"
+    assert r.headers.get_list("x-request-id") == [r.headers["x-request-id"]]
+
+
+def test_unknown_route_is_an_openai_404(client: TestClient) -> None:
+    err = error_of(client.get("/v1/nothing-here"), 404)
+    assert err["type"] == "invalid_request_error"
+    assert "/v1/nothing-here" in err["message"]
+
+
+def test_wrong_method_is_an_openai_405(client: TestClient) -> None:
+    err = error_of(client.get("/v1/chat/completions"), 405)
+    assert "GET" in err["message"]
+    error_of(client.delete("/healthz"), 405)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/deployments"])
+def test_invalid_and_empty_json_bodies_are_400(client: TestClient, path: str) -> None:
+    err = error_of(client.post(path, content=b'{"model": '), 400)
+    assert "not valid JSON" in err["message"]
+    err = error_of(client.post(path, content=b""), 400)
+    assert "empty" in err["message"]
+    err = error_of(client.post(path, content=b"\xff\xfe"), 400)
+
+
+def test_validation_errors_reach_the_client_with_their_param(client: TestClient) -> None:
+    err = error_of(client.post("/v1/chat/completions", json={"model": "m", "messages": []}), 400)
+    assert err["param"] == "messages"
+    err = error_of(client.post("/v1/completions", json={"model": "m", "prompt": "x", "n": 3}), 400)
+    assert err["param"] == "n"
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"model": "ghost", "messages": HI}),
+        ("/v1/completions", {"model": "ghost", "prompt": "hi"}),
+    ],
+)
+def test_unknown_model_is_model_not_found(client: TestClient, path: str, body: Any) -> None:
+    err = error_of(client.post(path, json=body), 404)
+    assert err["code"] == "model_not_found"
+    assert err["param"] == "model"
+    assert "ghost" in err["message"]
+    err = error_of(client.get("/v1/models/ghost"), 404)
+    assert err["code"] == "model_not_found"
+
+
+# --- deployments ----------------------------------------------------------------------------
+
+
+def deploy(client: TestClient, snapshot: Path, **fields: Any) -> httpx.Response:
+    return client.post(
+        "/v1/deployments", json={"name": "tiny", "snapshot_uri": f"file://{snapshot}", **fields}
+    )
+
+
+def test_create_deployment_shows_everywhere(client: TestClient, snapshot: Path) -> None:
+    assert client.get("/v1/deployments").json() == {"object": "list", "data": []}
+    assert client.get("/v1/models").json() == {"object": "list", "data": []}
+
+    r = deploy(client, snapshot, max_replicas=3, target_concurrency=4, idle_timeout_s=60)
+    assert r.status_code == 201, r.text
+    created = r.json()
+    assert created["object"] == "deployment"
+    assert created["name"] == "tiny"
+    assert created["snapshot_uri"] == f"file://{snapshot}"
+    assert created["scaling"] == {
+        "min_replicas": 0,
+        "max_replicas": 3,
+        "target_concurrency": 4,
+        "idle_timeout_s": 60.0,
+    }
+    assert created["replicas"] == []  # scaled to zero: no GPU held until the first request
+    assert created["queued_requests"] == 0
+    assert isinstance(created["created_at"], int)
+
+    assert client.get("/v1/deployments/tiny").json() == created
+    assert client.get("/v1/deployments").json()["data"] == [created]
+    models = client.get("/v1/models").json()["data"]
+    assert models == [
+        {"id": "tiny", "object": "model", "created": created["created_at"], "owned_by": "hotpool"}
+    ]
+    assert client.get("/v1/models/tiny").json() == models[0]
+
+
+def test_deployment_defaults(client: TestClient, services: Services, snapshot: Path) -> None:
+    r = client.post("/v1/deployments", json={"name": "d", "snapshot_uri": f"file://{snapshot}/"})
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert body["snapshot_uri"] == f"file://{snapshot}"  # trailing slash dropped
+    assert body["scaling"] == {
+        "min_replicas": 0,
+        "max_replicas": 1,
+        "target_concurrency": 8,
+        "idle_timeout_s": services.settings.default_idle_timeout_s,
+    }
+
+
+def test_deployment_survives_a_restart(services: Services, snapshot: Path, tmp_path: Path) -> None:
+    with TestClient(create_app(services)) as c:
+        assert deploy(c, snapshot).status_code == 201
+    settings = services.settings
+    db = Database(settings.database_url)
+    backend = LocalProcessBackend(
+        LocalWorkerConfig("http://127.0.0.1:9", TOKEN, settings.cache_dir, tmp_path / "logs")
+    )
+    try:
+        with TestClient(create_app(build_services(settings, db, backend, TOKEN))) as c:
+            assert [d["name"] for d in c.get("/v1/deployments").json()["data"]] == ["tiny"]
+    finally:
+        db.dispose()
+
+
+def test_duplicate_deployment_is_409(client: TestClient, snapshot: Path) -> None:
+    assert deploy(client, snapshot).status_code == 201
+    err = error_of(deploy(client, snapshot, max_replicas=2), 409)
+    assert err["code"] == "deployment_exists"
+    assert err["param"] == "name"
+    # The first one is untouched.
+    assert client.get("/v1/deployments/tiny").json()["scaling"]["max_replicas"] == 1
+
+
+@pytest.mark.parametrize(
+    "name", ["", "Upper", "-starts-with-dash", ".dot", "has space", "a/b", "x" * 64, 7, None]
+)
+def test_bad_deployment_name_is_400(client: TestClient, snapshot: Path, name: Any) -> None:
+    err = error_of(deploy(client, snapshot, name=name), 400)
+    assert err["param"] == "name"
+
+
+def test_longest_valid_name_is_accepted(client: TestClient, snapshot: Path) -> None:
+    assert deploy(client, snapshot, name="a" * 63).status_code == 201
+
+
+@pytest.mark.parametrize(
+    "uri", [None, "", "relative/path", "/abs/without/scheme", "http://host/x", "file://rel", 5]
+)
+def test_bad_snapshot_uri_is_400(client: TestClient, uri: Any) -> None:
+    err = error_of(client.post("/v1/deployments", json={"name": "d", "snapshot_uri": uri}), 400)
+    assert err["param"] == "snapshot_uri"
+
+
+def test_missing_snapshot_is_422(client: TestClient, tmp_path: Path) -> None:
+    err = error_of(deploy(client, tmp_path / "nowhere"), 422)
+    assert err["param"] == "snapshot_uri"
+    assert "manifest.json" in err["message"]
+    empty = tmp_path / "empty-snapshot"
+    empty.mkdir()
+    error_of(deploy(client, empty), 422)
+    assert client.get("/v1/deployments").json()["data"] == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"min_replicas": 2, "max_replicas": 1}, "min_replicas"),
+        ({"min_replicas": -1}, "min_replicas"),
+        ({"max_replicas": 0}, "max_replicas"),
+        ({"max_replicas": 1.5}, "max_replicas"),
+        ({"max_replicas": True}, "max_replicas"),
+        ({"target_concurrency": 0}, "target_concurrency"),
+        ({"idle_timeout_s": 0}, "idle_timeout_s"),
+        ({"idle_timeout_s": -5}, "idle_timeout_s"),
+        ({"idle_timeout_s": "60"}, "idle_timeout_s"),
+        ({"idle_timeout_s": 8 * 86400}, "idle_timeout_s"),
+        ({"gpu": "h100"}, "gpu"),
+    ],
+)
+def test_bad_scaling_is_400(
+    client: TestClient, snapshot: Path, fields: dict[str, Any], param: str
+) -> None:
+    err = error_of(deploy(client, snapshot, **fields), 400)
+    assert err["param"] == param
+
+
+def test_deployment_body_must_be_an_object(client: TestClient) -> None:
+    error_of(client.post("/v1/deployments", json=["tiny"]), 400)
+
+
+def test_unknown_deployment_is_404(client: TestClient) -> None:
+    err = error_of(client.get("/v1/deployments/ghost"), 404)
+    assert err["code"] == "deployment_not_found"
+
+
+# --- usage ------------------------------------------------------------------------------------
+
+DAY = timedelta(days=1)
+T0 = datetime(2024, 3, 1, tzinfo=UTC)  # a bucket boundary
+
+
+def record(
+    ledger: Ledger, rid: str, deployment: str, at: datetime, p: int, c: int, cached: int = 0
+) -> None:
+    assert ledger.record(
+        UsageRecord(
+            request_id=rid,
+            deployment=deployment,
+            endpoint="chat.completions",
+            status="completed",
+            prompt_tokens=p,
+            completion_tokens=c,
+            cached_tokens=cached,
+            created_at=at,
+        )
+    )
+
+
+def test_usage_default_shape(client: TestClient) -> None:
+    r = client.get("/v1/usage")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "page"
+    assert body["has_more"] is False
+    assert body["next_page"] is None
+    buckets = body["data"]
+    assert len(buckets) == 7
+    now = datetime.now(UTC).timestamp()
+    for i, b in enumerate(buckets):
+        assert b["object"] == "bucket"
+        assert b["results"] == []
+        assert b["end_time"] - b["start_time"] == 86400
+        assert b["start_time"] % 86400 == 0  # UTC day boundaries
+        if i:
+            assert b["start_time"] == buckets[i - 1]["end_time"]
+    assert buckets[-1]["start_time"] <= now < buckets[-1]["end_time"]  # ends with today
+
+
+@pytest.mark.parametrize(("width", "count", "seconds"), [("1h", 24, 3600), ("1m", 60, 60)])
+def test_usage_default_limit_per_width(
+    client: TestClient, width: str, count: int, seconds: int
+) -> None:
+    buckets = client.get("/v1/usage", params={"bucket_width": width}).json()["data"]
+    assert len(buckets) == count
+    assert {b["end_time"] - b["start_time"] for b in buckets} == {seconds}
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"bucket_width": "1w"}, "bucket_width"),
+        ({"bucket_width": ""}, "bucket_width"),
+        ({"limit": "abc"}, "limit"),
+        ({"limit": "0"}, "limit"),
+        ({"limit": "-1"}, "limit"),
+        ({"limit": "32"}, "limit"),
+        ({"bucket_width": "1h", "limit": "169"}, "limit"),
+        ({"group_by": "user_id"}, "group_by"),
+        ({"project_ids": "p"}, "project_ids"),
+        ({"start_time": "yesterday"}, "start_time"),
+        ({"start_time": "1709251200", "end_time": "1709251200"}, "start_time"),
+        ({"start_time": "1709337600", "end_time": "1709251200"}, "start_time"),
+        ({"end_time": "99999999999999"}, "end_time"),
+        ({"start_time": "-99999999999999"}, "start_time"),
+    ],
+)
+def test_bad_usage_query_is_400(client: TestClient, params: dict[str, str], param: str) -> None:
+    err = error_of(client.get("/v1/usage", params=params), 400)
+    assert err["param"] == param
+
+
+def test_usage_sums_records_into_their_buckets(client: TestClient, services: Services) -> None:
+    ledger = Ledger(services.db)
+    record(ledger, "r1", "alpha", T0 + timedelta(hours=1), 10, 5, cached=4)
+    record(ledger, "r2", "alpha", T0 + timedelta(hours=23, minutes=59), 7, 3)
+    record(ledger, "r3", "beta", T0 + timedelta(hours=12), 100, 50)
+    record(ledger, "r4", "alpha", T0 + DAY + timedelta(hours=2), 1, 1)
+    record(ledger, "r5", "alpha", T0 - timedelta(seconds=1), 999, 999)  # before the range
+    record(ledger, "r6", "alpha", T0 + 3 * DAY, 999, 999)  # at the (exclusive) end
+
+    start, end = int(T0.timestamp()), int((T0 + 3 * DAY).timestamp())
+    params = {"start_time": start, "end_time": end, "group_by": "model"}
+    body = client.get("/v1/usage", params=params).json()
+    assert [b["start_time"] for b in body["data"]] == [start, start + 86400, start + 2 * 86400]
+    assert body["has_more"] is False
+
+    def sums(bucket: dict[str, Any]) -> dict[str, tuple[int, int, int, int]]:
+        return {
+            r["model"]: (
+                r["num_model_requests"],
+                r["input_tokens"],
+                r["input_cached_tokens"],
+                r["output_tokens"],
+            )
+            for r in bucket["results"]
+        }
+
+    day1, day2, day3 = body["data"]
+    assert sums(day1) == {"alpha": (2, 17, 4, 8), "beta": (1, 100, 0, 50)}
+    assert sums(day2) == {"alpha": (1, 1, 0, 1)}
+    assert sums(day3) == {}
+    result = day1["results"][0]
+    assert result["object"] == "organization.usage.completions.result"
+
+    # Ungrouped: one result per bucket over every deployment.
+    body = client.get("/v1/usage", params={"start_time": start, "end_time": end}).json()
+    assert [(r["model"], r["num_model_requests"], r["input_tokens"], r["output_tokens"])
+            for r in body["data"][0]["results"]] == [(None, 3, 117, 58)]  # fmt: skip
+
+    # One model only.
+    body = client.get("/v1/usage", params={**params, "models": "beta"}).json()
+    assert [sums(b) for b in body["data"]] == [{"beta": (1, 100, 0, 50)}, {}, {}]
+
+
+def test_usage_in_hour_buckets(client: TestClient, services: Services) -> None:
+    ledger = Ledger(services.db)
+    record(ledger, "h1", "alpha", T0 + timedelta(minutes=5), 3, 2)
+    record(ledger, "h2", "alpha", T0 + timedelta(minutes=59, seconds=59), 4, 1)
+    record(ledger, "h3", "alpha", T0 + timedelta(hours=1), 5, 6)
+    start = int(T0.timestamp())
+    body = client.get(
+        "/v1/usage",
+        params={"start_time": start, "end_time": start + 3 * 3600, "bucket_width": "1h"},
+    ).json()
+    assert [
+        [(r["input_tokens"], r["output_tokens"]) for r in b["results"]] for b in body["data"]
+    ] == [[(7, 3)], [(5, 6)], []]
+
+
+def test_usage_limit_truncates_and_says_there_is_more(
+    client: TestClient, services: Services
+) -> None:
+    ledger = Ledger(services.db)
+    record(ledger, "in", "alpha", T0 + 2 * DAY + timedelta(hours=23), 5, 5)
+    record(ledger, "beyond", "alpha", T0 + 3 * DAY, 7, 7)
+    start = int(T0.timestamp())
+    params = {"start_time": start, "end_time": start + 10 * 86400, "limit": 3}
+    body = client.get("/v1/usage", params=params).json()
+    assert [b["start_time"] for b in body["data"]] == [start + i * 86400 for i in range(3)]
+    assert [len(b["results"]) for b in body["data"]] == [0, 0, 1]
+    assert body["data"][2]["results"][0]["input_tokens"] == 5
+    assert body["has_more"] is True
+
+
+def test_usage_range_that_ends_inside_a_bucket(client: TestClient, services: Services) -> None:
+    ledger = Ledger(services.db)
+    record(ledger, "a", "alpha", T0 + DAY + timedelta(hours=1), 2, 3)
+    record(ledger, "b", "alpha", T0 + DAY + timedelta(hours=13), 50, 50)  # after end_time
+    start, end = T0 + timedelta(hours=6), T0 + DAY + timedelta(hours=12)
+    params = {"start_time": int(start.timestamp()), "end_time": int(end.timestamp())}
+    body = client.get("/v1/usage", params=params).json()
+    # Buckets stay on UTC day boundaries even though the range does not.
+    assert [b["start_time"] for b in body["data"]] == [
+        int(T0.timestamp()),
+        int((T0 + DAY).timestamp()),
+    ]
+    assert [[r["input_tokens"] for r in b["results"]] for b in body["data"]] == [[], [2]]
+    assert body["has_more"] is False
+
+
+def test_usage_over_a_long_range_answers_quickly(client: TestClient) -> None:
+    # Years of 1-minute buckets: the page holds `limit` of them and nothing enumerates the rest.
+    r = client.get("/v1/usage", params={"start_time": 0, "bucket_width": "1m", "limit": 5})
+    assert r.status_code == 200
+    body = r.json()
+    assert [b["start_time"] for b in body["data"]] == [0, 60, 120, 180, 240]
+    assert body["has_more"] is True
+
+
+# --- metrics and internal -----------------------------------------------------------------------
+
+
+def test_metrics_are_prometheus_text(client: TestClient) -> None:
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    assert "# TYPE hotpool_replicas gauge" in text
+    assert "hotpool_workers 0.0" in text
+    assert "# TYPE hotpool_requests_total counter" in text
+    assert "request_id" not in text
+
+
+def worker_info(worker_id: str = "w-unknown") -> dict[str, Any]:
+    return {
+        "worker_id": worker_id,
+        "address": "http://127.0.0.1:1",
+        "pid": 1,
+        "device": "cpu",
+        "memory_bytes": 0,
+    }
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", f"Basic {TOKEN}", TOKEN])
+def test_worker_register_needs_the_token(client: TestClient, auth: str | None) -> None:
+    headers = {"authorization": auth} if auth else {}
+    r = client.post("/internal/workers/register", json=worker_info(), headers=headers)
+    err = error_of(r, 401)
+    assert err["type"] == "authentication_error"
+    r = client.post("/internal/workers/w-unknown/heartbeat", json=worker_info(), headers=headers)
+    error_of(r, 401)
+
+
+def test_unexpected_worker_is_410(client: TestClient) -> None:
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    r = client.post("/internal/workers/register", json=worker_info("w-stranger"), headers=headers)
+    assert "w-stranger" in error_of(r, 410)["message"]
+    r = client.post(
+        "/internal/workers/w-stranger/heartbeat", json=worker_info("w-stranger"), headers=headers
+    )
+    error_of(r, 404)
+    r = client.post(
+        "/internal/workers/other/heartbeat", json=worker_info("w-stranger"), headers=headers
+    )
+    error_of(r, 400)
+
+
+@pytest.mark.parametrize("body", [{"worker_id": "w"}, ["w"], "w", {**worker_info(), "x": 1}])
+def test_malformed_worker_info_is_400(client: TestClient, body: Any) -> None:
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    error_of(client.post("/internal/workers/register", json=body, headers=headers), 400)
+
+
+@pytest.fixture
+def broken_client(services: Services) -> Iterator[TestClient]:
+    """A client of an app whose catalog raises, so ``GET /v1/models`` fails with a 500."""
+
+    def broken() -> Any:
+        raise RuntimeError("boom")
+
+    services.catalog.all = broken  # type: ignore[method-assign]
+    with TestClient(create_app(services), raise_server_exceptions=False) as c:
+        yield c
+
+
+def test_server_errors_are_openai_shaped_500s(broken_client: TestClient) -> None:
+    err = error_of(broken_client.get("/v1/models"), 500)
+    assert err["type"] == "api_error"
+    assert "boom" not in err["message"]  # internals stay in the log
+
+
+def test_server_errors_carry_a_request_id(broken_client: TestClient) -> None:
+    assert broken_client.get("/v1/models").headers.get("x-request-id", "").startswith("req_")

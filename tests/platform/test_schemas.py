@@ -1,0 +1,246 @@
+"""What a client sees when it sends OpenAI-shaped bodies: what is accepted, the defaults it
+gets, and a 400 naming the parameter for everything hotpool cannot honour."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hotpool.platform.errors import APIError
+from hotpool.platform.schemas import parse_chat, parse_completion
+from hotpool.worker.protocol import ChatMessage
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "Once upon a time"}
+TEXT_A = {"type": "text", "text": "a"}
+
+
+def test_minimal_chat_body_gets_openai_defaults() -> None:
+    call = parse_chat(CHAT)
+    assert call.endpoint == "chat.completions"
+    assert call.model == "m"
+    assert call.messages == (ChatMessage(role="user", content="hi"),)
+    assert call.prompt is None
+    assert call.stream is False
+    assert call.include_usage is False
+    p = call.params
+    assert p.max_tokens is None  # chat: up to the context length
+    assert (p.temperature, p.top_p, p.top_k, p.seed, p.stop) == (1.0, 1.0, 0, None, ())
+
+
+def test_minimal_completion_body_defaults_to_16_tokens() -> None:
+    call = parse_completion(COMPLETION)
+    assert call.endpoint == "completions"
+    assert call.prompt == "Once upon a time"
+    assert call.messages is None
+    assert call.params.max_tokens == 16
+
+
+def test_full_chat_body_is_carried_through() -> None:
+    call = parse_chat(
+        {
+            **CHAT,
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [TEXT_A, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": "ok", "name": "bot"},
+            ],
+            "max_tokens": 7,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": 40,
+            "seed": 3,
+            "stop": ["\n", "END"],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "user": "alice",
+        }
+    )
+    assert call.messages == (
+        ChatMessage(role="system", content="be brief"),  # developer is the system role
+        ChatMessage(role="user", content="ab"),
+        ChatMessage(role="assistant", content="ok"),
+    )
+    p = call.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0.0, 0.5, 40, 3)
+    assert p.stop == ("\n", "END")
+    assert call.stream and call.include_usage
+    assert call.user == "alice"
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    call = parse_chat({**CHAT, "max_tokens": 100, "max_completion_tokens": 5})
+    assert call.params.max_tokens == 5
+
+
+def test_stop_string_and_single_prompt_list_are_accepted() -> None:
+    call = parse_completion({**COMPLETION, "prompt": ["only one"], "stop": "\n\n"})
+    assert call.prompt == "only one"
+    assert call.params.stop == ("\n\n",)
+
+
+def _rejects(parse: Any, body: Any, param: str | None, text: str = "") -> APIError:
+    with pytest.raises(APIError) as info:
+        parse(body)
+    err = info.value
+    assert err.status == 400
+    assert err.param == param
+    assert text in err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+    return err
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": CHAT["messages"]}, "model"),
+        ({"model": "m"}, "messages"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": "hi"}, "messages"),
+        ({"model": 3, "messages": CHAT["messages"]}, "model"),
+        ({**CHAT, "messages": ["hi"]}, "messages[0]"),
+        ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({**CHAT, "messages": [{"content": "x"}]}, "messages[0].role"),
+        ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({**CHAT, "messages": [{"role": "user"}]}, "messages[0].content"),
+        (
+            {
+                **CHAT,
+                "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": None}],
+            },
+            "messages[1].content",
+        ),
+        (
+            {
+                **CHAT,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is this?"},
+                            {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+                        ],
+                    }
+                ],
+            },
+            "messages[0].content",
+        ),
+        ({**CHAT, "messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0]"),
+        ({**CHAT, "temperature": True}, "temperature"),
+        ({**CHAT, "temperature": "0.5"}, "temperature"),
+        ({**CHAT, "temperature": -0.1}, "temperature"),
+        ({**CHAT, "temperature": 2.01}, "temperature"),
+        ({**CHAT, "top_p": 0}, "top_p"),
+        ({**CHAT, "top_p": 1.5}, "top_p"),
+        ({**CHAT, "max_tokens": 0}, "max_tokens"),
+        ({**CHAT, "max_tokens": 1.5}, "max_tokens"),
+        ({**CHAT, "max_tokens": True}, "max_tokens"),
+        ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+        ({**CHAT, "seed": "7"}, "seed"),
+        ({**CHAT, "stream": "yes"}, "stream"),
+        ({**CHAT, "n": 2}, "n"),
+        ({**CHAT, "logprobs": True}, "logprobs"),
+        ({**CHAT, "top_logprobs": 3}, "top_logprobs"),
+        ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+        ({**CHAT, "frequency_penalty": -1}, "frequency_penalty"),
+        ({**CHAT, "logit_bias": {"50256": -100}}, "logit_bias"),
+        ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({**CHAT, "stop": [""]}, "stop"),
+        ({**CHAT, "stop": [1]}, "stop"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({**CHAT, "stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ({**CHAT, "stream": True, "stream_options": {"continuous_usage": True}}, "stream_options"),
+        ({**CHAT, "prompt": "x"}, "prompt"),  # a completions field on chat
+    ],
+)
+def test_chat_rejections_name_the_parameter(body: dict[str, Any], param: str) -> None:
+    _rejects(parse_chat, body, param)
+
+
+def test_unknown_field_is_rejected_like_openai() -> None:
+    err = _rejects(parse_chat, {**CHAT, "temprature": 0.5}, "temprature")
+    assert err.message == "Unrecognized request argument supplied: temprature"
+    _rejects(
+        parse_completion,
+        {**COMPLETION, "messages": []},
+        "messages",
+        "Unrecognized request argument supplied",
+    )
+
+
+def test_unsupported_parameters_say_so() -> None:
+    err = _rejects(parse_chat, {**CHAT, "n": 2}, "n", "n=1")
+    assert err.code == "unsupported_parameter"
+    err = _rejects(parse_chat, {**CHAT, "presence_penalty": 1}, "presence_penalty", "not supported")
+    assert err.code == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("body", [None, [], "hi", 3])
+def test_body_must_be_an_object(body: Any) -> None:
+    _rejects(parse_chat, body, None, "JSON object")
+    _rejects(parse_completion, body, None, "JSON object")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x"}, "model"),
+        ({"model": "m"}, "prompt"),
+        ({"model": "m", "prompt": ""}, "prompt"),
+        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "m", "prompt": []}, "prompt"),
+        ({"model": "m", "prompt": [[1, 2, 3]]}, "prompt"),
+        ({"model": "m", "prompt": 42}, "prompt"),
+        ({**COMPLETION, "max_tokens": 0}, "max_tokens"),
+        ({**COMPLETION, "logprobs": 5}, "logprobs"),
+        ({**COMPLETION, "echo": True}, "echo"),
+        ({**COMPLETION, "suffix": "!"}, "suffix"),
+        ({**COMPLETION, "best_of": 3}, "best_of"),
+        ({**COMPLETION, "n": 2}, "n"),
+        ({**COMPLETION, "temperature": False}, "temperature"),
+        ({**COMPLETION, "max_completion_tokens": 5}, "max_completion_tokens"),
+    ],
+)
+def test_completion_rejections_name_the_parameter(body: dict[str, Any], param: str) -> None:
+    _rejects(parse_completion, body, param)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 2, 2.0, 1])
+def test_temperature_bounds_are_inclusive(value: float) -> None:
+    assert parse_chat({**CHAT, "temperature": value}).params.temperature == float(value)
+
+
+def test_neutral_values_of_unsupported_parameters_are_accepted() -> None:
+    call = parse_chat(
+        {
+            **CHAT,
+            "n": 1,
+            "logprobs": False,
+            "presence_penalty": 0,
+            "frequency_penalty": 0.0,
+            "tools": [],
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+            "stop": None,
+        }
+    )
+    assert call.params.stop == ()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n", True),
+        ("presence_penalty", False),
+        ("frequency_penalty", False),
+        ("repetition_penalty", True),
+    ],
+)
+def test_booleans_do_not_pass_for_numbers(field: str, value: bool) -> None:
+    with pytest.raises(APIError) as exc:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value})
+    assert exc.value.status == 400 and exc.value.param == field

@@ -1,0 +1,177 @@
+"""The ``hotpool`` command line, run in-process: help, settings errors, the database
+commands, and what a user sees when the control plane is not running."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from hotpool.cli import main
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def run(home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunner]:
+    # Only this test's HOTPOOL_* settings are seen, never the developer's own.
+    for name in [n for n in os.environ if n.startswith("HOTPOOL_")]:
+        monkeypatch.delenv(name)
+    yield CliRunner(env={"HOTPOOL_HOME": str(home)})
+
+
+def invoke(runner: CliRunner, *args: str, env: dict[str, str] | None = None) -> Result:
+    return runner.invoke(main, list(args), env=env, catch_exceptions=False)
+
+
+@pytest.fixture
+def dead_url() -> str:
+    """A local URL where nothing listens (a port just freed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+HELP = [
+    ((), "self-hosted serverless GPU platform"),
+    (("serve",), "Run the control plane"),
+    (("worker",), "Run one worker process"),
+    (("models",), "models you can pull"),
+    (("models", "pull"), "Download MODEL"),
+    (("deploy",), "Create deployment NAME"),
+    (("invoke",), "Send PROMPT to deployment NAME"),
+    (("usage",), "Token usage per deployment"),
+    (("db",), "Ledger database schema"),
+    (("db", "upgrade"), "Migrate the database"),
+    (("db", "current"), "current revision"),
+]
+
+
+@pytest.mark.parametrize(("args", "purpose"), HELP, ids=[" ".join(a) or "hotpool" for a, _ in HELP])
+def test_help_says_what_each_command_does(
+    run: CliRunner, args: tuple[str, ...], purpose: str
+) -> None:
+    result = invoke(run, *args, "--help")
+    assert result.exit_code == 0, result.output
+    assert purpose in result.output
+    assert "Usage: " in result.output
+
+
+def test_group_help_lists_every_command(run: CliRunner) -> None:
+    out = invoke(run, "-h").output
+    for command in ("serve", "worker", "models", "deploy", "invoke", "usage", "db"):
+        assert f"  {command} " in out
+
+
+def test_version(run: CliRunner) -> None:
+    result = invoke(run, "--version")
+    assert result.exit_code == 0
+    assert result.output.startswith("hotpool, version ")
+
+
+def test_bad_setting_is_one_line_and_exit_2(run: CliRunner) -> None:
+    result = invoke(run, "serve", env={"HOTPOOL_PORT": "abc"})
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("hotpool: HOTPOOL_PORT='abc' is invalid")
+
+
+@pytest.mark.parametrize(
+    "args", [("db", "upgrade"), ("db", "current"), ("models", "pull", "smollm2")]
+)
+def test_bad_setting_stops_other_commands_too(run: CliRunner, args: tuple[str, ...]) -> None:
+    result = invoke(run, *args, env={"HOTPOOL_DEVICE": "tpu"})
+    assert result.exit_code == 2
+    assert "HOTPOOL_DEVICE" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_db_upgrade_then_current(run: CliRunner, home: Path) -> None:
+    result = invoke(run, "db", "current")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == "(empty)"
+
+    result = invoke(run, "db", "upgrade")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == "database at revision 0001"
+    assert (home / "hotpool.db").is_file()
+
+    result = invoke(run, "db", "current")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == "0001"
+
+    # Upgrading again is a no-op.
+    assert invoke(run, "db", "upgrade").stdout.strip() == "database at revision 0001"
+
+
+def test_db_upgrade_honours_database_url(run: CliRunner, tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'elsewhere' / 'ledger.db'}"
+    result = invoke(run, "db", "upgrade", env={"HOTPOOL_DATABASE_URL": url})
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "elsewhere" / "ledger.db").is_file()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("deploy", "tiny", "--snapshot", "file:///nowhere"),
+        ("deploy", "tiny", "--snapshot", "tiny"),
+        ("invoke", "tiny", "hello"),
+        ("invoke", "tiny", "hello", "--raw"),
+        ("usage",),
+        ("usage", "--json", "--bucket-width", "1h"),
+    ],
+)
+def test_client_commands_say_when_hotpool_is_unreachable(
+    run: CliRunner, dead_url: str, args: tuple[str, ...]
+) -> None:
+    result = invoke(run, *args, "--url", dead_url)
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    assert f"cannot reach hotpool at {dead_url}" in result.stderr
+    assert "hotpool serve" in result.stderr
+
+
+def test_client_commands_default_to_hotpool_port(run: CliRunner, dead_url: str) -> None:
+    port = dead_url.rsplit(":", 1)[1]
+    result = invoke(run, "usage", env={"HOTPOOL_PORT": port})
+    assert result.exit_code != 0
+    assert f"cannot reach hotpool at http://127.0.0.1:{port}/v1/usage" in result.stderr
+
+
+@pytest.mark.parametrize("command", [("usage",), ("invoke", "tiny", "hi")])
+def test_client_commands_check_hotpool_port(run: CliRunner, command: tuple[str, ...]) -> None:
+    result = invoke(run, *command, env={"HOTPOOL_PORT": "abc"})
+    assert result.exit_code == 2
+    assert result.stderr.startswith("hotpool: HOTPOOL_PORT='abc' is invalid")
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://127.0.0.1", "http://127.0.0.1:abc"])
+def test_malformed_url_is_a_clear_error(run: CliRunner, url: str) -> None:
+    result = invoke(run, "usage", "--url", url)
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: invalid hotpool URL")
+    assert "Traceback" not in result.output
+
+
+def test_unknown_model_to_pull_is_a_usage_error(run: CliRunner) -> None:
+    result = invoke(run, "models", "pull", "gpt-5")
+    assert result.exit_code == 2
+    assert "smollm2" in result.output
+
+
+def test_worker_needs_its_token(run: CliRunner) -> None:
+    result = invoke(run, "worker", "--worker-id", "w1", "--control-plane", "http://127.0.0.1:1")
+    assert result.exit_code != 0
+    assert "HOTPOOL_WORKER_TOKEN" in result.stderr

@@ -1,0 +1,127 @@
+"""``HOTPOOL_*`` settings: defaults under the data dir, and one clear error per bad value."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from hotpool.settings import Settings, SettingsError, load_settings
+
+
+def test_defaults_live_under_hotpool_home(tmp_path: Path) -> None:
+    s = load_settings({"HOTPOOL_HOME": str(tmp_path)})
+    assert s.home == tmp_path.resolve()
+    assert s.database_url == f"sqlite:///{tmp_path.resolve() / 'hotpool.db'}"
+    assert s.object_store_url == f"file://{tmp_path.resolve() / 'objects'}"
+    assert s.snapshots_dir == tmp_path.resolve() / "objects" / "snapshots"
+    assert s.cache_dir == tmp_path.resolve() / "cache"
+    assert (s.host, s.port, s.device, s.log_level) == ("127.0.0.1", 8000, "auto", "info")
+    assert s.max_workers == 2
+    assert s.default_idle_timeout_s == 300.0
+    assert s.worker_token is None
+
+
+def test_default_home_is_in_the_users_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    s = load_settings({})
+    assert s.home == (tmp_path / ".hotpool").resolve()
+    assert s.cache_dir == s.home / "cache"
+
+
+def test_home_expands_tilde(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_settings({"HOTPOOL_HOME": "~/data"}).home == (tmp_path / "data").resolve()
+
+
+def test_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOTPOOL_HOME", str(tmp_path))
+    monkeypatch.setenv("HOTPOOL_PORT", "9123")
+    s = load_settings()
+    assert (s.home, s.port) == (tmp_path.resolve(), 9123)
+
+
+def test_every_setting_is_read(tmp_path: Path) -> None:
+    s = load_settings(
+        {
+            "HOTPOOL_HOME": str(tmp_path),
+            "HOTPOOL_DATABASE_URL": "postgresql://u@db/hotpool",
+            "HOTPOOL_OBJECT_STORE": "/srv/objects/",
+            "HOTPOOL_CACHE_DIR": str(tmp_path / "c"),
+            "HOTPOOL_HOST": "0.0.0.0",
+            "HOTPOOL_PORT": "0",
+            "HOTPOOL_DEVICE": " CUDA ",
+            "HOTPOOL_MAX_WORKERS": "8",
+            "HOTPOOL_WORKER_START_TIMEOUT_S": "30",
+            "HOTPOOL_IDLE_TIMEOUT_S": "0.5",
+            "HOTPOOL_QUEUE_TIMEOUT_S": "10",
+            "HOTPOOL_MAX_QUEUE": "3",
+            "HOTPOOL_LOG_LEVEL": "DEBUG",
+            "HOTPOOL_WORKER_TOKEN": "secret",
+        }
+    )
+    assert s.database_url == "postgresql://u@db/hotpool"
+    assert s.object_store_url == "file:///srv/objects"  # a bare path becomes a file:// URL
+    assert s.cache_dir == (tmp_path / "c").resolve()
+    assert (s.host, s.port, s.device, s.log_level) == ("0.0.0.0", 0, "cuda", "debug")
+    assert (s.max_workers, s.max_queue) == (8, 3)
+    assert (s.worker_start_timeout_s, s.default_idle_timeout_s, s.queue_timeout_s) == (30, 0.5, 10)
+    assert s.worker_token == "secret"
+
+
+def test_empty_values_mean_default(tmp_path: Path) -> None:
+    s = load_settings({"HOTPOOL_HOME": str(tmp_path), "HOTPOOL_PORT": "", "HOTPOOL_DEVICE": ""})
+    assert (s.port, s.device) == (8000, "auto")
+
+
+def test_settings_are_frozen_and_hide_the_token(tmp_path: Path) -> None:
+    s = load_settings({"HOTPOOL_HOME": str(tmp_path), "HOTPOOL_WORKER_TOKEN": "hunter2"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.port = 1  # type: ignore[misc]
+    assert "hunter2" not in repr(s)
+    assert isinstance(s, Settings)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("HOTPOOL_PORT", "70000"),
+        ("HOTPOOL_PORT", "-1"),
+        ("HOTPOOL_PORT", "abc"),
+        ("HOTPOOL_PORT", "80.5"),
+        ("HOTPOOL_MAX_WORKERS", "0"),
+        ("HOTPOOL_MAX_WORKERS", "two"),
+        ("HOTPOOL_MAX_QUEUE", "-3"),
+        ("HOTPOOL_DEVICE", "tpu"),
+        ("HOTPOOL_LOG_LEVEL", "verbose"),
+        ("HOTPOOL_IDLE_TIMEOUT_S", "-1"),
+        ("HOTPOOL_IDLE_TIMEOUT_S", "0"),
+        ("HOTPOOL_IDLE_TIMEOUT_S", "nan"),
+        ("HOTPOOL_IDLE_TIMEOUT_S", "inf"),
+        ("HOTPOOL_QUEUE_TIMEOUT_S", "soon"),
+        ("HOTPOOL_WORKER_START_TIMEOUT_S", "0"),
+        ("HOTPOOL_OBJECT_STORE", "relative/path"),
+        ("HOTPOOL_OBJECT_STORE", "s3://bucket/prefix"),
+    ],
+)
+def test_bad_value_names_the_variable(tmp_path: Path, name: str, value: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        load_settings({"HOTPOOL_HOME": str(tmp_path), name: value})
+    message = str(info.value)
+    assert message.startswith(f"{name}={value!r} is invalid")
+    assert "\n" not in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_messages_say_what_is_expected(tmp_path: Path) -> None:
+    def error(name: str, value: str) -> str:
+        with pytest.raises(SettingsError) as info:
+            load_settings({"HOTPOOL_HOME": str(tmp_path), name: value})
+        return str(info.value)
+
+    assert "65535" in error("HOTPOOL_PORT", "70000")
+    assert "cpu" in error("HOTPOOL_DEVICE", "tpu")
+    assert ">= 1" in error("HOTPOOL_MAX_WORKERS", "0")
+    assert "> 0" in error("HOTPOOL_IDLE_TIMEOUT_S", "-1")
+    assert "absolute path" in error("HOTPOOL_OBJECT_STORE", "relative/path")
