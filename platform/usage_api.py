@@ -17,7 +17,7 @@ from hotpool.platform.services import Services
 
 DEFAULT_LIMIT = {"1d": 7, "1h": 24, "1m": 60}
 MAX_LIMIT = {"1d": 31, "1h": 168, "1m": 1440}
-PARAMS = {"start_time", "end_time", "bucket_width", "group_by", "models", "limit"}
+PARAMS = {"start_time", "end_time", "bucket_width", "group_by", "models", "limit", "page"}
 # 9999-01-01: a page of buckets after any accepted time still fits in a datetime.
 MAX_TIMESTAMP = 253370764800
 
@@ -62,7 +62,8 @@ async def get_usage(request: Request) -> Response:
         raise invalid("`group_by` supports only `model`", "group_by")
     step = BUCKET_WIDTHS[width]
     end = _time_param(request, "end_time") or datetime.now(UTC)
-    start = _time_param(request, "start_time")
+    # `page` is the cursor a previous answer gave as `next_page`: the next bucket's start.
+    start = _time_param(request, "page") or _time_param(request, "start_time")
     if start is None:
         start = floor_to_bucket(end, width) - (limit - 1) * step
     if start >= end:
@@ -90,7 +91,8 @@ async def get_usage(request: Request) -> Response:
         for s in starts
     ]
     more = total > limit
-    return JSONResponse({"object": "page", "data": data, "has_more": more, "next_page": None})
+    next_page = str(int((starts[-1] + step).timestamp())) if more else None
+    return JSONResponse({"object": "page", "data": data, "has_more": more, "next_page": next_page})
 
 
 def _result(row: UsageBucketRow, grouped: bool) -> dict[str, Any]:

@@ -450,7 +450,11 @@ def test_usage_over_a_long_range_answers_quickly(client: TestClient) -> None:
     assert r.status_code == 200
     body = r.json()
     assert [b["start_time"] for b in body["data"]] == [0, 60, 120, 180, 240]
-    assert body["has_more"] is True
+    assert body["has_more"] is True and body["next_page"] == "300"
+    # The cursor continues where the page ended.
+    params = {"page": body["next_page"], "bucket_width": "1m", "limit": 2}
+    following = client.get("/v1/usage", params=params).json()
+    assert [b["start_time"] for b in following["data"]] == [300, 360]
 
 
 # --- metrics and internal -----------------------------------------------------------------------
