@@ -148,6 +148,7 @@ def worker(
     log_level: str,
 ) -> None:
     """Run one worker process (the pool starts these; the token comes in HOTPOOL_WORKER_TOKEN)."""
+    from hotpool.worker.engine.llm_engine import EngineConfig
     from hotpool.worker.main import WorkerOptions, run_worker
 
     settings = _settings()
@@ -167,6 +168,11 @@ def worker(
             port=port,
             parent_pid=parent_pid,
             log_level=log_level,
+            engine=EngineConfig(
+                kv_cache_bytes=settings.kv_cache_bytes,
+                max_num_seqs=settings.max_num_seqs,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+            ),
         )
     )
 

@@ -44,6 +44,9 @@ class Settings:
     queue_timeout_s: float = 300.0
     max_queue: int = 256
     log_level: str = "info"
+    kv_cache_bytes: int = 1 << 30  # per worker
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
     worker_token: str | None = field(default=None, repr=False)
 
     @property
@@ -73,6 +76,19 @@ def _positive_float(raw: str) -> float:
     value = float(raw)
     if not (value > 0 and math.isfinite(value)):
         raise ValueError("must be a finite number > 0")
+    return value
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def _byte_size(raw: str) -> int:
+    """``1073741824``, ``512m``, ``2g`` or ``2GiB``."""
+    text = raw.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = text[-1] if text and text[-1] in _UNITS else ""
+    value = int(float(text[: len(text) - len(unit)]) * _UNITS[unit])
+    if value < 1 << 20:
+        raise ValueError("must be at least 1m (bytes, or with a k/m/g suffix)")
     return value
 
 
@@ -123,5 +139,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         queue_timeout_s=_parse(env, "HOTPOOL_QUEUE_TIMEOUT_S", 300.0, _positive_float),
         max_queue=_parse(env, "HOTPOOL_MAX_QUEUE", 256, _positive_int),
         log_level=_parse(env, "HOTPOOL_LOG_LEVEL", "info", _one_of(LOG_LEVELS)),
+        kv_cache_bytes=_parse(env, "HOTPOOL_KV_CACHE_BYTES", 1 << 30, _byte_size),
+        max_num_seqs=_parse(env, "HOTPOOL_MAX_NUM_SEQS", 64, _positive_int),
+        max_num_batched_tokens=_parse(env, "HOTPOOL_MAX_NUM_BATCHED_TOKENS", 2048, _positive_int),
         worker_token=env.get("HOTPOOL_WORKER_TOKEN") or None,
     )

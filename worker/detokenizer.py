@@ -3,6 +3,9 @@
 Byte-level BPE can split one character over several tokens, and a stop string can span
 tokens, so text is released only when it is final: never a half character (U+FFFD at the
 end) and never a prefix that might still become a stop string.
+
+Each step decodes only a short window of recent tokens, as vLLM's
+``detokenize_incrementally`` does, so streaming costs time linear in the output's length.
 """
 
 from __future__ import annotations
@@ -11,39 +14,72 @@ from collections.abc import Sequence
 
 from hotpool.worker.tokenizer import TextTokenizer
 
+_REPLACEMENT = "\ufffd"
+
 
 class IncrementalDetokenizer:
+    """Turns a stream of generated token ids into text deltas for one request.
+
+    Contract: the concatenation of everything :meth:`push` and :meth:`flush` return equals
+    ``tokenizer.decode(all ids)`` cut before the earliest stop string (less a trailing
+    incomplete character, if generation ended inside one); no delta holds a broken
+    character or any part of a stop string that matched.
+    """
+
     def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = ()) -> None:
         self._tok = tokenizer
         self._stop = tuple(s for s in stop if s)
+        # A stop string may begin in the last len-1 characters: hold those until it can't.
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = []
-        self._text = ""  # decoded so far (stable part)
-        self._sent = 0  # characters of _text already released
+        # ids[:read] are accounted for. ids[prefix:read] are decoded again as context for
+        # what follows, because decoders treat a sequence's first token specially (the
+        # SentencePiece leading space), so the new text is the difference of two decodes.
+        self._prefix = 0
+        self._read = 0
+        self._partial = ""  # text of ids[read:] that precedes a still incomplete character
+        self._pending = ""  # final text not yet released
+        self._sent_tail = ""  # the last `hold` characters released
         self.stopped = False
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return newly final text. Sets :attr:`stopped` when a stop string hits."""
+        if self.stopped:
+            return ""
         self._ids.extend(token_ids)
+        context = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
         # An incomplete UTF-8 sequence decodes to U+FFFD at the end: hold it back until its
-        # last byte arrives, but look for stop strings in the text before it right away.
-        text = self._tok.decode(self._ids).rstrip("\ufffd")
-        self._text = text
-        # Only the unsent tail (plus overlap) can hold a new match; the earliest match wins,
-        # whatever the order of the stop strings.
-        hits = [at for s in self._stop if (at := text.find(s, max(0, self._sent - len(s)))) != -1]
-        if hits:
-            self.stopped = True
-            self._text = text[: min(hits)]
-            return self._release(len(self._text))
-        return self._release(max(self._sent, len(text) - self._hold))
+        # last byte arrives, but let stop strings see the text before it right away.
+        complete = not text.endswith(_REPLACEMENT)
+        text = text.rstrip(_REPLACEMENT)
+        new = text[len(context) + len(self._partial) :]
+        if complete:
+            self._prefix, self._read, self._partial = self._read, len(self._ids), ""
+        else:
+            self._partial += new
+        self._pending += new
+        return self._release_final()
 
     def flush(self) -> str:
         """The held-back tail, once generation has finished."""
-        return self._release(len(self._text))
+        return self._take(len(self._pending))
 
-    def _release(self, upto: int) -> str:
-        upto = min(upto, len(self._text))
-        out = self._text[self._sent : upto]
-        self._sent = max(self._sent, upto)
+    def _release_final(self) -> str:
+        # A match cannot start earlier than the held tail (it would have been seen on an
+        # earlier push), so only the tail and the pending text are searched; the earliest
+        # match wins, whatever the order of the stop strings.
+        window = self._sent_tail + self._pending
+        hits = [at for s in self._stop if (at := window.find(s)) != -1]
+        if hits:
+            self.stopped = True
+            out = self._pending[: max(0, min(hits) - len(self._sent_tail))]
+            self._pending = ""
+            return out
+        return self._take(len(self._pending) - self._hold)
+
+    def _take(self, n: int) -> str:
+        out, self._pending = self._pending[: max(0, n)], self._pending[max(0, n) :]
+        if self._hold:
+            self._sent_tail = (self._sent_tail + out)[-self._hold :]
         return out

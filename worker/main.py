@@ -13,13 +13,14 @@ import logging
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import torch
 import uvicorn
 
+from hotpool.worker.engine.llm_engine import EngineConfig
 from hotpool.worker.protocol import WorkerInfo
 from hotpool.worker.server import build_worker_app
 from hotpool.worker.service import WorkerService, pick_device
@@ -41,6 +42,7 @@ class WorkerOptions:
     port: int = 0
     parent_pid: int | None = None
     log_level: str = "info"
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 def device_memory(device: torch.device) -> int:
@@ -57,7 +59,7 @@ async def _main(opts: WorkerOptions) -> None:
     device = pick_device(opts.device)
     if device.type == "cuda":
         torch.cuda.init()
-    service = WorkerService(SnapshotCache(opts.cache_dir), device)
+    service = WorkerService(SnapshotCache(opts.cache_dir), device, opts.engine)
     app = build_worker_app(service, opts.token, opts.worker_id)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

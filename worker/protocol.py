@@ -22,19 +22,52 @@ class ChatMessage:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens; ``temperature == 0`` is greedy."""
+    """How to pick tokens; ``temperature == 0`` is greedy. :meth:`validate` says what is wrong."""
 
     max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0  # EOS and stop tokens are ignored before this many tokens
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k filter
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs of each sampled position (0: only the token's)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first parameter out of range."""
+        checks = [
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             "must not exceed max_tokens"),
+            ("temperature", self.temperature >= 0.0, "must be >= 0"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+        ]  # fmt: skip
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"`{name}` {why}")
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SamplingParams:
-        return cls(**{**data, "stop": tuple(data.get("stop") or ())})
+        return cls(
+            **{
+                **data,
+                "stop": tuple(data.get("stop") or ()),
+                "stop_token_ids": tuple(data.get("stop_token_ids") or ()),
+            }
+        )
 
 
 @dataclass(frozen=True)

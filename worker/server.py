@@ -9,10 +9,12 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -56,9 +58,54 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     )
 
 
+class _EngineCollector(Collector):
+    """Engine gauges and counters, read from the loaded engine at scrape time."""
+
+    def __init__(self, service: WorkerService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        loaded = self.service.loaded
+        reqs = GaugeMetricFamily(
+            "hotpool_engine_requests", "Requests in the engine", labels=["state"]
+        )
+        kv = GaugeMetricFamily("hotpool_kv_cache_usage_ratio", "Fraction of KV cache blocks in use")
+        queries = CounterMetricFamily(
+            "hotpool_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        hits = CounterMetricFamily(
+            "hotpool_prefix_cache_hits", "Prompt tokens served from the prefix cache"
+        )
+        preempt = CounterMetricFamily(
+            "hotpool_preemptions", "Requests preempted for lack of KV blocks"
+        )
+        if loaded is not None:
+            s = loaded.engine.engine.stats()
+            reqs.add_metric(["running"], s.num_running)
+            reqs.add_metric(["waiting"], s.num_waiting)
+            kv.add_metric([], s.kv_usage)
+            queries.add_metric([], s.prefix_cache_queries)
+            hits.add_metric([], s.prefix_cache_hits)
+            preempt.add_metric([], s.num_preemptions)
+        yield from (reqs, kv, queries, hits, preempt)
+
+
 class WorkerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, service: WorkerService) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(service))
+        self.step_seconds = Histogram(
+            "hotpool_engine_step_seconds",
+            "Time of one engine step (one forward pass and sampling)",
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+            registry=self.registry,
+        )
+        self.step_tokens = Histogram(
+            "hotpool_engine_step_tokens",
+            "Tokens computed per engine step",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+            registry=self.registry,
+        )
         self.requests = Counter(
             "hotpool_worker_requests",
             "Generations by finish reason",
@@ -76,9 +123,13 @@ class WorkerMetrics:
             registry=self.registry,
         )
 
+    def observe_step(self, seconds: float, tokens: int) -> None:
+        self.step_seconds.observe(seconds)
+        self.step_tokens.observe(tokens)
+
 
 def build_worker_app(service: WorkerService, token: str, worker_id: str) -> ASGIApp:
-    metrics = WorkerMetrics()
+    metrics = WorkerMetrics(service)
 
     async def health(_: Request) -> Response:
         loaded = service.loaded
@@ -103,6 +154,8 @@ def build_worker_app(service: WorkerService, token: str, worker_id: str) -> ASGI
             return _error(422, f"cannot load {body.get('snapshot_uri')}: {exc}")
         for phase, seconds in result.phases.items():
             metrics.cold_start.labels(phase).observe(seconds)
+        if service.loaded is not None:
+            service.loaded.engine.engine.on_step = metrics.observe_step
         return JSONResponse(result.to_json())
 
     async def unload(_: Request) -> Response:

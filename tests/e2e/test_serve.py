@@ -61,7 +61,16 @@ def test_official_openai_client_streaming_and_not(server: Server) -> None:
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == text  # greedy: streaming and not give the same answer
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+    streamed_usage, full_usage = chunks[-1].usage, full.usage
+    assert (streamed_usage.prompt_tokens, streamed_usage.completion_tokens) == (
+        full_usage.prompt_tokens,
+        full_usage.completion_tokens,
+    )
+    # The same prompt again: every full 16-token block of it comes from the prefix cache.
+    assert (
+        streamed_usage.prompt_tokens_details.cached_tokens
+        == (full_usage.prompt_tokens - 1) // 16 * 16
+    )
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[
         0
     ].finish_reason

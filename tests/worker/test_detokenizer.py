@@ -3,6 +3,7 @@ exactly the decoded answer, never half a character and never any part of a stop 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -181,6 +182,87 @@ def test_pushing_several_tokens_at_once(tok: TextTokenizer) -> None:
     out = detok.push(ids) + detok.flush()
     assert detok.stopped
     assert out == "one two "
+
+
+MULTIBYTE = [
+    "你好，世界！今天天气很好。我们去公园散步吧。",  # noqa: RUF001 (real Chinese punctuation)
+    "Family 👨\u200d👩\u200d👧 flags 🇫🇷🇯🇵 thumbs 👍🏽 done",
+    "混合 text 和 emoji 🦙🎉，还有日本語と한국어。",  # noqa: RUF001
+]
+
+
+@pytest.mark.parametrize("text", MULTIBYTE)
+def test_chinese_and_emoji_stream_intact(tok: TextTokenizer, text: str) -> None:
+    ids = tok.encode(text)
+    # Most of these characters really are split over several byte-level tokens.
+    assert sum(tok.decode([i]).endswith(REPLACEMENT) for i in ids) > len(ids) // 3
+    pieces, _ = stream(tok, ids)
+    assert all(REPLACEMENT not in p for p in pieces)
+    assert "".join(pieces) == text
+    # Each character goes out whole as soon as its last byte arrives, not later.
+    for n in range(1, len(ids) + 1):
+        assert "".join(pieces[:n]) == tok.decode(ids[:n]).rstrip(REPLACEMENT)
+
+
+def _long_output(tok: TextTokenizer, n: int) -> list[int]:
+    para = (
+        "Llamas 🦙 live in the Andes; 骆驼和羊驼是南美洲的动物。 They hum, spit and carry loads.\n"
+    )
+    ids = tok.encode(para * (n // 10))[:n]
+    assert len(ids) == n
+    return ids
+
+
+def test_a_long_output_round_trips(tok: TextTokenizer) -> None:
+    ids = _long_output(tok, 2000)
+    pieces, detok = stream(tok, ids, ["<|user|>", "never"])
+    assert not detok.stopped
+    assert "".join(pieces) == tok.decode(ids).rstrip(REPLACEMENT)
+
+
+def test_streaming_time_is_linear_in_output_length(tok: TextTokenizer) -> None:
+    # Re-decoding everything on each token makes the last tokens of a long output several
+    # times slower than the first; windowed decoding keeps every push about equally cheap.
+    ids = _long_output(tok, 2000)
+    first, last = float("inf"), float("inf")
+    for _ in range(3):  # best of three: scheduler noise only ever adds time
+        detok = IncrementalDetokenizer(tok, ["<|user|>"])
+        marks = []
+        for i in ids:
+            marks.append(time.perf_counter())
+            detok.push([i])
+        marks.append(time.perf_counter())
+        first = min(first, marks[400] - marks[0])
+        last = min(last, marks[-1] - marks[-401])
+    assert last < 3 * first, f"last 400 tokens took {last / first:.1f}x the first 400"
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "spans"),
+    [
+        ("The answer is 42.\n### Instruction: next", "\n### Instruction", 3),
+        ("User: hi\nAssistant: hello", "Assistant:", 3),
+        ("User: hi\nAssistant: hello", "hi\nAss", 3),
+        ("The answer is 42.\n### Instruction: next", "42", 2),
+        ("你好，世界！今天天气很好。", "世界", 5),  # noqa: RUF001
+    ],
+)
+def test_stop_string_spanning_tokens_never_streams_partly(
+    tok: TextTokenizer, text: str, stop: str, spans: int
+) -> None:
+    ids = tok.encode(text)
+    expected = text[: text.index(stop)]
+    # Tokens [start, end) are the ones the stop string's characters come from.
+    start = next(n for n in range(len(ids)) if len(tok.decode(ids[: n + 1])) > len(expected))
+    end = next(n for n in range(len(ids) + 1) if tok.decode(ids[:n]).find(stop) != -1)
+    assert end - start == spans
+    detok = IncrementalDetokenizer(tok, [stop])
+    sent = ""
+    for n, i in enumerate(ids, start=1):
+        sent += detok.push([i])
+        assert expected.startswith(sent)  # never a character of the stop string
+        assert detok.stopped == (n >= end)  # on the very token that completes it
+    assert sent + detok.flush() == expected
 
 
 def test_chat_template_renders_smollm2_format(tok: TextTokenizer) -> None:

@@ -1,4 +1,10 @@
-"""SmolLM2 through hotpool's loader, tokenizer and engine vs HF transformers on the same GGUF."""
+"""SmolLM2 through hotpool's loader, tokenizer and batching engine vs HF transformers.
+
+HF generates each prompt alone; hotpool gets all of them concurrently, with staggered
+arrivals and a small token budget, so its steps mix prefill chunks and decodes. Float
+rounding differs between batch shapes, so (vLLM's ``check_logprobs_close`` rule) a
+divergence is allowed only at a near-tie, where each side's token is in the other's top-5.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from hotpool.worker.engine.base import EngineRequest
-from hotpool.worker.engine.simple import SimpleEngine
+from hotpool.worker.engine.base import EngineRequest, RequestOutput
+from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
 from hotpool.worker.models.loader import load_model
 from hotpool.worker.protocol import ChatMessage, SamplingParams
 from hotpool.worker.tokenizer import TextTokenizer
@@ -18,49 +24,79 @@ PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
     "Explain in one sentence what a GPU is.",
-    "List three colors of the rainbow.",
+    "List three colors of the rainbow, please.",
+    "Hi",
+    "Summarise this: " + "The quick brown fox jumps over the lazy dog. " * 30,
+    "Translate to French: good morning, my friend. How are you today?",
+    "Write a Python function that returns the factorial of n, with a docstring.",
+    "Why is the sky blue? Answer like a physics teacher talking to ten-year-olds.",
 ]
-NEW_TOKENS = 32
+NEW_TOKENS = 64
+TOP = 5
+
+
+def _hf_generate(hf: Any, ids: list[int]) -> tuple[list[int], list[set[int]]]:
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=2,
+            pad_token_id=2, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    tokens = out.sequences[0, len(ids) :].tolist()
+    tops = [set(torch.topk(step[0].float(), TOP).indices.tolist()) for step in out.logits]
+    return tokens, tops
+
+
+def _diverges_only_at_a_near_tie(
+    ours: list[RequestOutput], hf: list[int], hf_top: list[set[int]]
+) -> bool:
+    """True if identical; True if the first difference is a near-tie; False otherwise."""
+    mine = [o.new_token_ids[0] for o in ours]
+    for j, (a, b) in enumerate(zip(mine, hf, strict=False)):
+        if a != b:
+            our_top = {t for t, _ in ours[j].logprobs[0].top_logprobs}
+            return a in hf_top[j] and b in our_top
+    return len(mine) == len(hf)
 
 
 @pytest.mark.slow
-def test_greedy_tokens_match_hf_transformers_on_four_chat_prompts(
+def test_concurrent_staggered_greedy_matches_hf_transformers_alone(
     hf_smollm2_tokenizer: Any, hf_smollm2_model: Any, smollm2_snapshot_fp32: Path
 ) -> None:
-    hf_tok, hf = hf_smollm2_tokenizer, hf_smollm2_model
-
     tok = TextTokenizer(smollm2_snapshot_fp32)
-    engine = SimpleEngine(
-        load_model(smollm2_snapshot_fp32, torch.device("cpu")), torch.device("cpu")
-    )
-    for i, prompt in enumerate(PROMPTS):
-        text = tok.apply_chat_template([ChatMessage("user", prompt)])
-        ids = tok.encode(text)
-        hf_ids = hf_tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True
+    prompts = []
+    for text in PROMPTS:
+        ids = tok.encode(tok.apply_chat_template([ChatMessage("user", text)]))
+        hf_ids = hf_smollm2_tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
         )
-        hf_ids = (
-            hf_ids["input_ids"] if isinstance(hf_ids, dict) or hasattr(hf_ids, "keys") else hf_ids
-        )
+        hf_ids = hf_ids["input_ids"] if hasattr(hf_ids, "keys") else hf_ids
         assert ids == list(hf_ids), "chat template + tokenizer differ from HF's"
+        prompts.append(ids)
+    assert len({len(p) for p in prompts}) >= 8  # prompts of different lengths
 
-        with torch.inference_mode():
-            hf_out = hf.generate(
-                torch.tensor([ids]),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=2,
-                pad_token_id=2,
-            )[0, len(ids) :].tolist()
+    model = load_model(smollm2_snapshot_fp32, torch.device("cpu"), torch.float32)
+    engine = LLMEngine(model, torch.device("cpu"), EngineConfig(max_num_batched_tokens=96))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=TOP)
+    outs: dict[str, list[RequestOutput]] = {}
+    step = 0
+    while step == 0 or engine.has_unfinished():
+        if step % 3 == 0 and step // 3 < len(prompts):  # staggered arrivals
+            i = step // 3
+            engine.add_request(EngineRequest(f"p{i}", tuple(prompts[i]), params, tok.eos_token_ids))
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        step += 1
+    assert len(outs) == len(prompts)
 
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
-        engine.add_request(EngineRequest(f"p{i}", tuple(ids), params, tok.eos_token_ids))
-        ours: list[int] = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                ours.extend(out.new_token_ids)
-        assert ours == hf_out, (
-            f"prompt {prompt!r}:\n ours {tok.decode(ours)!r}\n hf   {tok.decode(hf_out)!r}"
-        )
+    near_ties = []
+    for i, ids in enumerate(prompts):
+        hf_tokens, hf_top = _hf_generate(hf_smollm2_model, ids)
+        ours = outs[f"p{i}"]
+        mine = [o.new_token_ids[0] for o in ours]
+        if mine != hf_tokens:
+            why = f"prompt {i}:\n ours {tok.decode(mine)!r}\n hf   {tok.decode(hf_tokens)!r}"
+            assert _diverges_only_at_a_near_tie(ours, hf_tokens, hf_top), why
+            near_ties.append(i)
         if i == 0:
-            assert "Paris" in tok.decode(ours)
+            assert "Paris" in tok.decode(mine)
+    assert len(near_ties) <= 1, f"near-tie divergences in prompts {near_ties}"

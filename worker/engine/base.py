@@ -27,6 +27,15 @@ class EngineRequest:
 
 
 @dataclass(frozen=True)
+class SampledToken:
+    """A sampled token with its logprob and, when asked for, the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one step did for one request."""
 
@@ -35,6 +44,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int = 0
+    logprobs: tuple[SampledToken, ...] = ()  # one per new token when the request asked
 
     @property
     def finished(self) -> bool:

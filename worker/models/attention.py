@@ -8,9 +8,12 @@ paged KV cache (issue 3) is another implementation of the same interface.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from hotpool.kernels.paged_attention import paged_decode, paged_prefill, write_kv
 
 
 class Attention(ABC):
@@ -97,3 +100,87 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: i
         enable_gqa=True,
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+class PagedKVCache:
+    """Preallocated K and V of every layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """One sequence's chunk of new tokens inside the flat batch."""
+
+    q_start: int  # row of its first token in the flat batch
+    num_tokens: int
+    start: int  # position of its first token (= tokens already cached)
+    block_table: torch.Tensor  # [num_blocks] int64
+
+
+@dataclass(frozen=True)
+class PagedAttentionMetadata:
+    """What one step's attention needs, built once per step by the model runner.
+
+    The flat batch holds the decode tokens first (one per sequence), then the prefill chunks.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of every new token
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64
+    decode_seq_lens: torch.Tensor  # [num_decodes]
+    decode_key_mask: torch.Tensor | None  # [num_decodes, max_blocks * block_size]
+    prefills: tuple[PrefillSpan, ...]
+
+
+class PagedAttention(Attention):
+    """The engine's attention: new K/V into the paged cache, then decode and prefill parts."""
+
+    def __init__(self, cache: PagedKVCache, meta: PagedAttentionMetadata) -> None:
+        self.cache = cache
+        self.meta = meta
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        m = self.meta
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        write_kv(k_cache, v_cache, k, v, m.slot_mapping)
+        if not m.prefills:
+            return paged_decode(
+                q, k_cache, v_cache, m.decode_block_tables, m.decode_seq_lens, m.decode_key_mask
+            )
+        out = torch.empty_like(q)
+        if m.num_decodes:
+            out[: m.num_decodes] = paged_decode(
+                q[: m.num_decodes],
+                k_cache,
+                v_cache,
+                m.decode_block_tables,
+                m.decode_seq_lens,
+                m.decode_key_mask,
+            )
+        for p in m.prefills:
+            rows = slice(p.q_start, p.q_start + p.num_tokens)
+            out[rows] = paged_prefill(q[rows], k_cache, v_cache, p.block_table, p.start)
+        return out

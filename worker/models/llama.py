@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-style GQA) in plain PyTorch.
+"""Llama-family decoder in plain PyTorch: Llama 2/3, SmolLM2, Mistral (full attention), Qwen2.
+
+The families differ only in config: GQA head counts, q/k/v (and o, MLP) biases, RoPE
+scaling, tied embeddings.
 
 Tensors and positions are passed explicitly and attention goes through an
 :class:`~hotpool.worker.models.attention.Attention` backend, so the same model runs over a
@@ -18,6 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hotpool.worker.models.attention import Attention
+from hotpool.worker.models.rope import RopeScaling, RotaryEmbedding, apply_rope, parse_rope
+
+__all__ = ["LlamaConfig", "LlamaModel", "RotaryEmbedding", "apply_rope", "convert_hf_state_dict"]
 
 
 @dataclass(frozen=True)
@@ -35,12 +41,27 @@ class LlamaConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
 
     @classmethod
     def from_hf(cls, data: dict[str, Any]) -> LlamaConfig:
+        """Parse a HF ``config.json``; ValueError names what this model cannot run."""
         heads = int(data["num_attention_heads"])
         eos = data.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        max_positions = int(data.get("max_position_embeddings", 2048))
+        _check_full_attention(data, max_positions)
+        if data.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {data['hidden_act']!r} is not supported (silu)")
+        theta, scaling = parse_rope(data)
+        # Qwen2 always has q/k/v biases and no o_proj bias; Llama's attention_bias covers all four.
+        qwen2 = data.get("model_type") == "qwen2" or data.get("architectures") == [
+            "Qwen2ForCausalLM"
+        ]
+        attention_bias = bool(data.get("attention_bias", False))
         return cls(
             vocab_size=int(data["vocab_size"]),
             hidden_size=int(data["hidden_size"]),
@@ -50,16 +71,34 @@ class LlamaConfig:
             num_key_value_heads=int(data.get("num_key_value_heads") or heads),
             head_dim=int(data.get("head_dim") or data["hidden_size"] // heads),
             rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(data.get("rope_theta", 10000.0)),
-            max_position_embeddings=int(data.get("max_position_embeddings", 2048)),
+            rope_theta=theta,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             bos_token_id=data.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            rope_scaling=scaling,
+            qkv_bias=qwen2 or attention_bias,
+            o_bias=attention_bias and not qwen2,
+            mlp_bias=bool(data.get("mlp_bias", False)),
         )
 
     @classmethod
     def from_file(cls, path: Path) -> LlamaConfig:
         return cls.from_hf(json.loads(path.read_text()))
+
+
+def _check_full_attention(data: dict[str, Any], max_positions: int) -> None:
+    """Reject sliding-window attention: the attention backends attend over the whole context.
+
+    A window at least as long as the context is full attention (Mistral v0.2+ sets none;
+    Qwen2 configs carry a window that only counts with ``use_sliding_window``).
+    """
+    window = data.get("sliding_window") if data.get("use_sliding_window", True) else None
+    if window is not None and int(window) < max_positions:
+        raise ValueError(
+            f"sliding-window attention (sliding_window={window} < max_position_embeddings="
+            f"{max_positions}) is not supported yet"
+        )
 
 
 class RMSNorm(nn.Module):
@@ -75,31 +114,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, computed once in fp32 (HF's half-rotation layout)."""
-
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        # [T, 1, D] so they broadcast over heads.
-        return self.cos[positions, None, :].to(dtype), self.sin[positions, None, :].to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
 class SelfAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
@@ -110,8 +124,8 @@ class SelfAttention(nn.Module):
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.split = (q_size, kv_size, kv_size)
         # One fused q/k/v matmul instead of three (PERF_NOTES: fused projections pay).
-        self.wqkv = nn.Linear(cfg.hidden_size, sum(self.split), bias=False)
-        self.wo = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.wqkv = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention
@@ -129,8 +143,8 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate|up
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).split(self.inter, dim=-1)
@@ -162,7 +176,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.rope = rotary_for(cfg)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
@@ -178,32 +192,46 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.norm(hidden)).float()
 
 
-# HF checkpoint names -> ours. q/k/v and gate/up are fused at load time.
-_RENAMES = {
-    "input_layernorm.weight": "attention_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.o_proj.weight": "attention.wo.weight",
-    "mlp.down_proj.weight": "feed_forward.w2.weight",
-}
+def rotary_for(cfg: LlamaConfig) -> RotaryEmbedding:
+    return RotaryEmbedding(
+        cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
+    )
+
+
+def _layer_parts(cfg: LlamaConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """Our per-layer modules -> (the HF modules concatenated into each, whether it has a bias)."""
+    qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    return {
+        "attention_norm": (("input_layernorm",), False),
+        "ffn_norm": (("post_attention_layernorm",), False),
+        "attention.wqkv": (qkv, cfg.qkv_bias),
+        "attention.wo": (("self_attn.o_proj",), cfg.o_bias),
+        "feed_forward.w13": (("mlp.gate_proj", "mlp.up_proj"), cfg.mlp_bias),
+        "feed_forward.w2": (("mlp.down_proj",), cfg.mlp_bias),
+    }
 
 
 def convert_hf_state_dict(hf: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    """Map a HF Llama state dict onto :class:`LlamaModel`, fusing q/k/v and gate/up."""
-    out: dict[str, torch.Tensor] = {
-        "embed.weight": hf["model.embed_tokens.weight"],
-        "norm.weight": hf["model.norm.weight"],
-        "lm_head.weight": hf.get("lm_head.weight", hf["model.embed_tokens.weight"]),
-    }
-    if cfg.tie_word_embeddings:
-        out["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    """Map a HF Llama/Mistral/Qwen2 state dict onto :class:`LlamaModel`.
+
+    q/k/v and gate/up are fused (weights and biases alike). KeyError names a tensor the
+    config needs and the checkpoint lacks; ValueError lists tensors the config leaves unused
+    (say, biases under ``attention_bias: false``), which would otherwise be dropped silently.
+    """
+    embed = hf["model.embed_tokens.weight"]
+    used = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    # Tied checkpoints usually omit lm_head; when one stores it anyway, tying still wins.
+    lm_head = embed if cfg.tie_word_embeddings else hf.get("lm_head.weight", embed)
+    out = {"embed.weight": embed, "norm.weight": hf["model.norm.weight"], "lm_head.weight": lm_head}
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        for src, dst in _RENAMES.items():
-            out[f"layers.{i}.{dst}"] = hf[p + src]
-        out[f"layers.{i}.attention.wqkv.weight"] = torch.cat(
-            [hf[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")]
-        )
-        out[f"layers.{i}.feed_forward.w13.weight"] = torch.cat(
-            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]
-        )
+        for ours, (sources, has_bias) in _layer_parts(cfg).items():
+            for kind in ("weight", "bias") if has_bias else ("weight",):
+                names = [f"model.layers.{i}.{src}.{kind}" for src in sources]
+                used.update(names)
+                parts = [hf[n] for n in names]
+                out[f"layers.{i}.{ours}.{kind}"] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    # Old checkpoints saved the rotary tables; they are recomputed from the config.
+    unused = sorted(n for n in hf if n not in used and not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(f"checkpoint has tensors this config does not use: {unused[:4]}")
     return out

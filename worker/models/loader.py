@@ -8,14 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from hotpool.worker.models.llama import (
-    LlamaConfig,
-    LlamaModel,
-    RotaryEmbedding,
-    convert_hf_state_dict,
-)
+from hotpool.worker.models.llama import LlamaConfig, LlamaModel, convert_hf_state_dict, rotary_for
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -25,21 +20,29 @@ class ModelLoadError(Exception):
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype | None = None) -> LlamaModel:
-    """Load a HF-format Llama checkpoint. ``dtype=None`` keeps the checkpoint's dtype."""
+    """Load a HF-format Llama-family checkpoint. ``dtype=None`` keeps the checkpoint's dtype."""
     config = json.loads((path / "config.json").read_text())
     arch = (config.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"architecture {arch!r} is not supported (have {SUPPORTED_ARCHITECTURES})"
         )
-    cfg = LlamaConfig.from_hf(config)
+    try:
+        cfg = LlamaConfig.from_hf(config)
+    except ValueError as exc:
+        raise ModelLoadError(f"{arch}: {exc}") from exc
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors in {path}")
     hf: dict[str, torch.Tensor] = {}
     for f in files:
         hf.update(load_file(f, device=str(device)))
-    state = convert_hf_state_dict(hf, cfg)
+    try:
+        state = convert_hf_state_dict(hf, cfg)
+    except KeyError as exc:
+        raise ModelLoadError(f"checkpoint lacks tensor {exc.args[0]!r}") from None
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
     target = dtype or hf["model.embed_tokens.weight"].dtype
     state = {k: v.to(target) for k, v in state.items()}
     # Build on the meta device and adopt the loaded tensors (no random init, no extra copy).
@@ -50,5 +53,5 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype | None = Non
     if missing:
         raise ModelLoadError(f"checkpoint lacks {missing[:3]}")
     with torch.device(device):
-        model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        model.rope = rotary_for(cfg)
     return model.eval().requires_grad_(False)

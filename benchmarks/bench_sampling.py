@@ -1,0 +1,153 @@
+"""hotpool's batched sampler against HF transformers' logits processors, on the same logits.
+
+For each batch size and typical sampling settings, times one call of ``hotpool`` 's
+``sample`` (which also returns the sampled tokens' logprobs) and HF's chain
+(``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``, ``MinPLogitsWarper``
+as the setting needs, then ``softmax`` and ``torch.multinomial``; greedy is ``argmax``) and
+prints milliseconds per call and the ratio.
+
+The default logits follow a language model's shape: sorted, a row falls off like
+``-a * log(rank)`` with ``a`` between 1.1 and 3, which matches SmolLM2's logits at the
+median and both tails within a factor of two (nucleus sizes included). ``--logits flat``
+uses ``randn`` rows instead: the worst case for top-p, whose nucleus then holds most of
+the vocabulary.
+
+    python benchmarks/bench_sampling.py --batch 1 8 32 64 --vocab 49152 --iters 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from hotpool.kernels.sampling import SamplingRow, sample
+
+NUM_OUTPUT_TOKENS = 64  # history each row carries for the penalty settings
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+
+
+SETTINGS = [
+    Setting("greedy", temperature=0.0),
+    Setting("T=0.7", temperature=0.7),
+    Setting("T=0.7 top_p=0.9", temperature=0.7, top_p=0.9),
+    Setting(
+        "T=0.7 top_k=50 top_p=0.9 presence=0.5",
+        temperature=0.7,
+        top_k=50,
+        top_p=0.9,
+        presence_penalty=0.5,
+    ),
+    Setting("T=1 top_p=0.95", top_p=0.95),
+    Setting("T=1 min_p=0.05", min_p=0.05),
+]
+
+
+def lm_like_logits(batch: int, vocab: int, g: torch.Generator) -> torch.Tensor:
+    slope = torch.empty(batch, 1).uniform_(math.log(1.1), math.log(3.0), generator=g).exp()
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+    profile = -slope * ranks.log() + 0.3 * torch.randn(batch, vocab, generator=g)
+    order = torch.rand(batch, vocab, generator=g).argsort(dim=1)  # which token has which rank
+    return torch.empty(batch, vocab).scatter_(1, order, profile) + 10.0
+
+
+def hotpool_call(logits: torch.Tensor, s: Setting, outputs: torch.Tensor) -> Callable[[], object]:
+    history = [tuple(row) for row in outputs.tolist()] if s.presence_penalty else None
+    rows = [
+        SamplingRow(
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            min_p=s.min_p,
+            presence_penalty=s.presence_penalty,
+            output_token_ids=history[i] if history else (),
+        )
+        for i in range(logits.shape[0])
+    ]
+    return lambda: sample(logits, rows)
+
+
+def hf_call(logits: torch.Tensor, s: Setting, outputs: torch.Tensor) -> Callable[[], object]:
+    if s.temperature == 0.0:
+        return lambda: logits.argmax(dim=-1)
+    chain = LogitsProcessorList([TemperatureLogitsWarper(s.temperature)])
+    if s.top_k:
+        chain.append(TopKLogitsWarper(s.top_k))
+    if s.top_p < 1.0:
+        chain.append(TopPLogitsWarper(s.top_p))
+    if s.min_p:
+        chain.append(MinPLogitsWarper(s.min_p))
+
+    def run() -> torch.Tensor:
+        scores = logits
+        if s.presence_penalty:  # HF has no presence penalty: the plain torch an HF user writes
+            seen = torch.zeros_like(scores).scatter_(1, outputs, 1.0)
+            scores = scores - s.presence_penalty * seen
+        scores = chain(outputs, scores)
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+
+    return run
+
+
+def per_call_ms(fn: Callable[[], object], iters: int) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--logits", choices=["lm", "flat"], default="lm")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, vocab {args.vocab}, "
+        f"{args.logits} logits, median of {args.iters} calls"
+    )
+    print(f"{'setting':<40} {'batch':>5} {'hotpool ms':>11} {'HF ms':>9} {'speedup':>8}")
+    for s in SETTINGS:
+        for batch in args.batch:
+            if args.logits == "lm":
+                logits = lm_like_logits(batch, args.vocab, g)
+            else:
+                logits = torch.randn(batch, args.vocab, generator=g)
+            outputs = torch.randint(0, args.vocab, (batch, NUM_OUTPUT_TOKENS), generator=g)
+            ours = per_call_ms(hotpool_call(logits, s, outputs), args.iters)
+            theirs = per_call_ms(hf_call(logits, s, outputs), args.iters)
+            print(f"{s.name:<40} {batch:>5} {ours:>11.3f} {theirs:>9.3f} {theirs / ours:>7.1f}x")
+
+
+if __name__ == "__main__":
+    main()

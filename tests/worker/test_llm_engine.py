@@ -1,0 +1,208 @@
+"""The paged, continuously batching engine on a tiny random model: what users rely on."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from tiny_llama import tiny_model
+
+from hotpool.worker.engine.async_engine import AsyncEngine
+from hotpool.worker.engine.base import EngineRequest, RequestOutput, RequestRejected
+from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
+from hotpool.worker.models.attention import ContiguousAttention, PagedKVCache, SequenceKVCache
+from hotpool.worker.protocol import SamplingParams
+
+CPU = torch.device("cpu")
+BLOCK_BYTES = PagedKVCache.bytes_per_block(2, 16, 2, 16, torch.float32)  # tiny model, fp32
+
+
+def _engine(blocks: int = 256, **kw: object) -> LLMEngine:
+    return LLMEngine(tiny_model(), CPU, EngineConfig(kv_cache_bytes=blocks * BLOCK_BYTES, **kw))  # type: ignore[arg-type]
+
+
+def _req(rid: str, prompt: list[int] | tuple[int, ...], **params: object) -> EngineRequest:
+    params.setdefault("temperature", 0.0)
+    return EngineRequest(rid, tuple(prompt), SamplingParams(**params), frozenset())  # type: ignore[arg-type]
+
+
+def _drain(
+    engine: LLMEngine, arrivals: dict[int, list[EngineRequest]] | None = None
+) -> dict[str, list[RequestOutput]]:
+    """Run to completion; ``arrivals[step]`` requests join before that step (staggered)."""
+    arrivals = dict(arrivals or {})
+    outs: dict[str, list[RequestOutput]] = {}
+    step = 0
+    while arrivals or engine.has_unfinished():
+        for r in arrivals.pop(step, []):
+            engine.add_request(r)
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        step += 1
+        assert step < 10_000
+    return outs
+
+
+def _tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+@torch.inference_mode()
+def _reference(prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens the obvious way: the whole sequence recomputed from scratch each time."""
+    model = tiny_model()
+    c = model.config
+    seq = list(prompt)
+    for _ in range(n):
+        cache = SequenceKVCache(
+            c.num_hidden_layers, len(seq), c.num_key_value_heads, c.head_dim, torch.float32, CPU
+        )
+        hidden = model(
+            torch.tensor(seq), torch.arange(len(seq)), ContiguousAttention(cache, 0, len(seq))
+        )
+        seq.append(int(model.logits(hidden[-1:]).argmax()))
+    return seq[len(prompt) :]
+
+
+PROMPTS = [
+    [(7 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate([3, 17, 40, 5, 64, 33, 1, 90])
+]
+
+
+def test_staggered_mixed_batches_match_each_prompt_alone() -> None:
+    # A small token budget forces chunked prefill to share steps with decodes.
+    engine = _engine(max_num_batched_tokens=24)
+    reqs = [_req(f"p{i}", p, max_tokens=12) for i, p in enumerate(PROMPTS)]
+    outs = _drain(engine, {2 * i: [r] for i, r in enumerate(reqs)})
+    for i, p in enumerate(PROMPTS):
+        got = outs[f"p{i}"]
+        assert _tokens(got) == _reference(p, 12), f"prompt {i}"
+        assert got[-1].finish_reason == "length" and all(o.finish_reason is None for o in got[:-1])
+        assert got[-1].num_prompt_tokens == len(p)
+
+
+def test_kv_pressure_preempts_and_every_output_is_unchanged() -> None:
+    prompts = [[(3 * i + j) % 80 + 2 for j in range(20 + i)] for i in range(20)]
+    free = _drain(_engine(), {0: [_req(f"r{i}", p, max_tokens=30) for i, p in enumerate(prompts)]})
+    tight = _engine(blocks=12)  # ~3 sequences of ~50 tokens
+    outs = _drain(tight, {0: [_req(f"r{i}", p, max_tokens=30) for i, p in enumerate(prompts)]})
+    assert {k: _tokens(v) for k, v in outs.items()} == {k: _tokens(v) for k, v in free.items()}
+    assert tight.stats().num_preemptions > 0
+    assert tight.kv_manager.num_free_blocks == tight.kv_manager.num_blocks
+
+
+def test_shared_prefix_is_served_from_cache_with_identical_output() -> None:
+    prefix = [(5 * j) % 89 + 3 for j in range(100)]
+    first, second = [*prefix, 1, 2, 3], [*prefix, 4, 5]
+
+    def run(caching: bool) -> tuple[list[int], int]:
+        engine = _engine(enable_prefix_caching=caching)
+        _drain(engine, {0: [_req("a", first, max_tokens=4)]})
+        outs = _drain(engine, {0: [_req("b", second, max_tokens=8)]})["b"]
+        return _tokens(outs), outs[-1].num_cached_tokens
+
+    cached_tokens, n_cached = run(True)
+    plain_tokens, n_plain = run(False)
+    assert cached_tokens == plain_tokens
+    assert n_cached == 96 and n_plain == 0  # 6 full blocks of the 100-token prefix
+
+
+def test_abort_mid_generation_returns_every_block() -> None:
+    engine = _engine()
+    for i in range(6):
+        engine.add_request(_req(f"a{i}", PROMPTS[i], max_tokens=50, temperature=1.0))
+    for _ in range(5):
+        engine.step()
+    assert engine.kv_manager.num_free_blocks < engine.kv_manager.num_blocks
+    for i in range(6):
+        engine.abort(f"a{i}")
+    engine.abort("unknown")
+    assert not engine.has_unfinished()
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+    assert engine.kv_manager.usage == 0.0
+
+
+def test_same_seed_same_tokens_alone_and_in_a_crowd() -> None:
+    target = _req(
+        "seeded", [4, 8, 15, 16, 23, 42], max_tokens=16, temperature=1.0, top_p=0.9, seed=1234
+    )
+    alone = _tokens(_drain(_engine(), {0: [target]})["seeded"])
+    rng = random.Random(0)
+    crowd = [
+        _req(
+            f"o{i}",
+            [rng.randrange(1, 95) for _ in range(rng.randrange(2, 30))],
+            max_tokens=16,
+            temperature=1.0,
+        )
+        for i in range(16)
+    ]
+    outs = _drain(_engine(), {0: crowd[:8], 1: [target], 2: crowd[8:]})
+    assert _tokens(outs["seeded"]) == alone
+
+
+def test_stop_token_ids_min_tokens_and_logprobs() -> None:
+    first = _reference([9, 9, 9], 1)[0]
+    outs = _drain(_engine(), {0: [_req("s", [9, 9, 9], max_tokens=10, stop_token_ids=(first,))]})[
+        "s"
+    ]
+    assert _tokens(outs) == [first] and outs[-1].finish_reason == "stop"
+    outs = _drain(
+        _engine(), {0: [_req("m", [9, 9, 9], max_tokens=5, min_tokens=5, stop_token_ids=(first,))]}
+    )["m"]
+    assert len(_tokens(outs)) == 5 and outs[-1].finish_reason == "length"
+    outs = _drain(_engine(), {0: [_req("l", [9, 9, 9], max_tokens=3, logprobs=4)]})["l"]
+    for o in outs:
+        (tok,) = o.logprobs
+        assert tok.token_id == o.new_token_ids[0] and len(tok.top_logprobs) == 4
+        assert tok.top_logprobs[0][0] == tok.token_id  # greedy: the best token was taken
+        assert tok.logprob == pytest.approx(tok.top_logprobs[0][1])
+
+
+def test_requests_that_can_never_fit_are_rejected_before_any_kv() -> None:
+    engine = _engine(blocks=4)  # 64 tokens of KV
+    with pytest.raises(RequestRejected, match="maximum context length is 256"):
+        engine.add_request(_req("long", list(range(1, 250)), max_tokens=10))
+    with pytest.raises(RequestRejected, match="KV cache"):
+        engine.add_request(_req("big", list(range(1, 60)), max_tokens=10))
+    with pytest.raises(RequestRejected, match="top_p"):
+        engine.add_request(_req("bad", [1, 2], top_p=0.0))
+    assert not engine.has_unfinished() and engine.kv_manager.num_free_blocks == 4
+
+
+def test_async_engine_streams_and_aborts_when_the_consumer_leaves() -> None:
+    async def main() -> None:
+        engine = AsyncEngine(_engine())
+        try:
+            outs = [o async for o in engine.generate(_req("a", [1, 2, 3], max_tokens=5))]
+            assert [len(o.new_token_ids) for o in outs] == [1] * 5 and outs[
+                -1
+            ].finish_reason == "length"
+
+            stream = engine.generate(_req("b", [1, 2, 3], max_tokens=200, temperature=1.0))
+            await anext(stream)
+            await stream.aclose()  # the client went away
+            for _ in range(200):
+                if not engine.engine.has_unfinished():
+                    break
+                await asyncio.sleep(0.01)
+            assert not engine.engine.has_unfinished()
+
+            with pytest.raises(RequestRejected):
+                await anext(engine.generate(_req("c", [], max_tokens=1)))
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_stats_report_load() -> None:
+    engine = _engine(max_num_seqs=2)
+    for i in range(4):
+        engine.add_request(_req(f"q{i}", PROMPTS[i], max_tokens=4))
+    engine.step()
+    s = engine.stats()
+    assert (s.num_running, s.num_waiting) == (2, 2)
+    assert 0 < s.kv_usage <= 1 and s.num_steps == 1 and s.last_step_tokens > 0

@@ -1,0 +1,182 @@
+"""The engine: scheduler + KV cache manager + model runner, one ``step`` at a time.
+
+``step()`` is three calls, as in nano-vllm: ``scheduler.schedule()`` ->
+``runner.execute()`` -> ``scheduler.update_from_output()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hotpool.worker.engine.base import Engine, EngineRequest, RequestOutput, RequestRejected
+from hotpool.worker.engine.kv_cache_manager import KVCacheManager
+from hotpool.worker.engine.model_runner import ModelRunner
+from hotpool.worker.engine.request import Request
+from hotpool.worker.engine.scheduler import Scheduler, SchedulerConfig
+from hotpool.worker.models.attention import PagedKVCache
+from hotpool.worker.models.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30  # KV budget; the number of blocks follows from it
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's own
+    enable_prefix_caching: bool = True
+    prefix_cache_salt: bytes = b""  # per deployment: prefixes never match across deployments
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks held by requests
+    num_blocks: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    num_steps: int
+    last_step_seconds: float
+    last_step_tokens: int
+
+
+class LLMEngine(Engine):
+    def __init__(
+        self, model: LlamaModel, device: torch.device, config: EngineConfig | None = None
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        cfg = model.config
+        self.max_model_len = min(
+            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        dtype = model.embed.weight.dtype
+        per_block = PagedKVCache.bytes_per_block(
+            cfg.num_hidden_layers, config.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype
+        )
+        num_blocks = config.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={config.kv_cache_bytes} is less than one block ({per_block} bytes)"
+            )
+        self.kv_cache = PagedKVCache(
+            cfg.num_hidden_layers,
+            num_blocks,
+            config.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype,
+            device,
+        )
+        self.kv_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, config.prefix_cache_salt
+        )
+        sched = SchedulerConfig(
+            config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len
+        )
+        self.scheduler = Scheduler(sched, self.kv_manager)
+        self.runner = ModelRunner(model, self.kv_cache, device)
+        self._arrivals = itertools.count()
+        self._steps = 0
+        self._last_step = (0.0, 0)
+        # Called after every step with (seconds, batched tokens): the worker's metrics hook.
+        self.on_step: Callable[[float, int], None] | None = None
+
+    def add_request(self, request: EngineRequest) -> None:
+        n = len(request.prompt_token_ids)
+        try:
+            request.params.validate()
+        except ValueError as exc:
+            raise RequestRejected(str(exc)) from None
+        if n == 0:
+            raise RequestRejected("the prompt is empty")
+        want = request.params.max_tokens
+        if n + (want or 1) > self.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                f"has {n} prompt tokens and asks for {want or 1} more"
+            )
+        max_new = want or self.max_model_len - n
+        # A sequence must fit the whole KV budget by itself, or it would preempt itself forever.
+        capacity = self.kv_manager.num_blocks * self.config.block_size
+        if n + max_new > capacity:
+            raise RequestRejected(
+                f"the request needs up to {n + max_new} tokens of KV cache; this replica holds "
+                f"{capacity} (lower max_tokens)"
+            )
+        if request.request_id in self.scheduler.requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already running")
+        self.scheduler.add_request(
+            Request(
+                request.request_id,
+                tuple(request.prompt_token_ids),
+                request.params,
+                request.eos_token_ids,
+                next(self._arrivals),
+                max_new,
+            )
+        )
+
+    def abort(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id) is not None:
+            self.runner.release(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        sampled = self.runner.execute(plan)
+        finished = {
+            r.request_id
+            for r in self.scheduler.update_from_output(
+                plan, {k: v.token_id for k, v in sampled.items()}
+            )
+        }
+        outputs = []
+        for s in plan.scheduled:
+            req = s.request
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt yet
+            if req.request_id in finished:
+                self.runner.release(req.request_id)
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    new_token_ids=(token.token_id,),
+                    finish_reason=req.finish_reason if req.request_id in finished else None,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                    logprobs=(token,) if req.params.logprobs is not None else (),
+                )
+            )
+        self._steps += 1
+        self._last_step = (time.perf_counter() - t0, plan.num_batched_tokens)
+        if self.on_step is not None:
+            self.on_step(*self._last_step)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        kv = self.kv_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=kv.usage,
+            num_blocks=kv.num_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self._steps,
+            last_step_seconds=self._last_step[0],
+            last_step_tokens=self._last_step[1],
+        )

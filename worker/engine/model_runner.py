@@ -1,0 +1,134 @@
+"""Turn a scheduler step into tensors, run the model once, sample.
+
+Every step is one forward pass over a flat batch: the decode tokens first (one per
+sequence), then the prefill chunks. Block tables and slot mapping are built once per step
+and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hotpool.kernels.paged_attention import decode_key_mask
+from hotpool.kernels.sampling import SamplingRow, sample
+from hotpool.worker.engine.base import SampledToken
+from hotpool.worker.engine.request import Request
+from hotpool.worker.engine.scheduler import ScheduledRequest, SchedulerOutput
+from hotpool.worker.models.attention import (
+    PagedAttention,
+    PagedAttentionMetadata,
+    PagedKVCache,
+    PrefillSpan,
+)
+from hotpool.worker.models.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: PagedKVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> dict[str, SampledToken]:
+        decodes = [s for s in step.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in step.scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []  # flat-batch row whose logits each sampling request needs
+        bs = self.kv.block_size
+        for s in ordered:
+            ids.extend(_tokens(s.request, s.start, s.start + s.num_new_tokens))
+            for pos in range(s.start, s.start + s.num_new_tokens):
+                positions.append(pos)
+                slots.append(s.block_ids[pos // bs] * bs + pos % bs)
+            if s.samples:
+                sample_rows.append(len(ids) - 1)
+        dev = self.device
+        meta = self._metadata(decodes, prefills, torch.tensor(slots, dtype=torch.long, device=dev))
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            PagedAttention(self.kv, meta),
+        )
+        samplers = [s for s in ordered if s.samples]
+        if not samplers:
+            return {}
+        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=dev)])
+        out = sample(logits, [self._row(s.request) for s in samplers])
+        tokens = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist()
+        tops: list[list[tuple[int, float]]] = [[] for _ in samplers]
+        if out.top_logprobs is not None:
+            values, top_ids = out.top_logprobs
+            for i, s in enumerate(samplers):
+                n = s.request.params.logprobs or 0
+                tops[i] = list(zip(top_ids[i, :n].tolist(), values[i, :n].tolist(), strict=True))
+        return {
+            s.request.request_id: SampledToken(tokens[i], logprobs[i], tuple(tops[i]))
+            for i, s in enumerate(samplers)
+        }
+
+    def _metadata(
+        self,
+        decodes: list[ScheduledRequest],
+        prefills: list[ScheduledRequest],
+        slot_mapping: torch.Tensor,
+    ) -> PagedAttentionMetadata:
+        dev = self.device
+        width = max((len(s.block_ids) for s in decodes), default=1)
+        tables = torch.tensor(
+            [list(s.block_ids) + [0] * (width - len(s.block_ids)) for s in decodes] or [[0]],
+            dtype=torch.long,
+            device=dev,
+        )[: len(decodes)]
+        seq_lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.long, device=dev)
+        mask = decode_key_mask(seq_lens, width * self.kv.block_size) if decodes else None
+        spans = []
+        q_start = len(decodes)
+        for s in prefills:
+            n_blocks = -(-(s.start + s.num_new_tokens) // self.kv.block_size)
+            table = torch.tensor(s.block_ids[:n_blocks], dtype=torch.long, device=dev)
+            spans.append(PrefillSpan(q_start, s.num_new_tokens, s.start, table))
+            q_start += s.num_new_tokens
+        return PagedAttentionMetadata(
+            slot_mapping, len(decodes), tables, seq_lens, mask, tuple(spans)
+        )
+
+    def _row(self, req: Request) -> SamplingRow:
+        p = req.params
+        gen = None
+        if p.seed is not None:
+            gen = self._generators.get(req.request_id)
+            if gen is None:
+                gen = self._generators[req.request_id] = torch.Generator().manual_seed(p.seed)
+        penalized = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+        return SamplingRow(
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            min_p=p.min_p,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            generator=gen,
+            num_logprobs=p.logprobs or 0,
+            prompt_token_ids=req.prompt_token_ids if penalized else (),
+            output_token_ids=req.output_token_ids if penalized else (),
+        )
+
+
+def _tokens(req: Request, a: int, b: int) -> list[int]:
+    """Tokens ``[a, b)`` of prompt + output without building the whole list."""
+    n = req.num_prompt_tokens
+    if b <= n:
+        return list(req.prompt_token_ids[a:b])
+    if a >= n:
+        return req.output_token_ids[a - n : b - n]
+    return [*req.prompt_token_ids[a:], *req.output_token_ids[: b - n]]

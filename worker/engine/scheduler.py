@@ -1,0 +1,172 @@
+"""One loop over a token budget per step (vLLM v1's idea, nano-vllm's size).
+
+Running requests go first, in arrival order, each taking as many of its uncomputed tokens
+as the budget allows (a decode needs one, a prefill chunk many); then waiting requests are
+admitted FCFS while blocks, budget and ``max_num_seqs`` allow. When a running request
+cannot get blocks, the latest arrival is preempted (blocks freed, recomputed later).
+Torch-free: the scheduler sees tokens and block ids, never tensors.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from hotpool.worker.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from hotpool.worker.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    start: int  # num_computed_tokens before this step
+    num_new_tokens: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def samples(self) -> bool:
+        """This step computes the request's last known token, so it yields a new one."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledRequest, ...]
+    preempted: tuple[str, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # kept sorted by arrival
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Forget a request wherever it is and free its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request_id)
+        request.status = RequestStatus.FINISHED
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while (
+                self.kv.allocate_slots(
+                    req.request_id, req.all_token_ids, req.num_computed_tokens, num_new
+                )
+                is None
+            ):
+                victim = self.running.pop()  # latest arrival: the list is in arrival order
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req itself was preempted; everyone after it already was
+            scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+            i += 1
+        # Admit waiting requests, FCFS, only if nothing had to be preempted this step.
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hit_blocks, num_hit = (KVCacheBlocks.empty(), 0)
+            if req.num_computed_tokens == 0:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+            num_new = min(req.num_tokens - num_hit, budget)
+            new = self.kv.allocate_slots(
+                req.request_id, req.all_token_ids, num_hit, num_new, hit_blocks
+            )
+            if new is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.arrival)
+            scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance what ran; append sampled tokens; return the requests that finished."""
+        finished = []
+        for s in output.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted meanwhile
+            req.num_computed_tokens = s.start + s.num_new_tokens
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            reason = req.check_stop(token, self.config.max_model_len)
+            if reason is not None:
+                req.finish_reason = reason
+                self._finish(req)
+                finished.append(req)
+        return finished
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            req, req.num_computed_tokens, num_new, tuple(self.kv.get_block_ids(req.request_id))
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        # Back to the head of the queue, ahead of later arrivals (waiting stays in arrival order).
+        idx = bisect.bisect(list(self.waiting), req.arrival, key=lambda r: r.arrival)
+        self.waiting.insert(idx, req)
+
+    def _finish(self, req: Request) -> None:
+        self.running.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.FINISHED
