@@ -30,32 +30,37 @@ def paged_decode(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    key_mask: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``q [B, Hq, D]`` over ``seq_lens[b]`` cached tokens.
 
     ``block_tables [B, max_blocks]`` (padding entries may be any valid block id: they are
-    masked). ``key_mask`` (``[B, max_blocks * block_size]``, True = attend) may be passed
-    precomputed, since it is the same for every layer of a step.
+    masked). ``key_bias`` (``[B, 1, max_blocks * block_size]`` fp32, 0 = attend, -inf = not)
+    may be passed precomputed, since it is the same for every layer of a step.
     """
     b, n_heads, head_dim = q.shape
-    _, block_size, n_kv, _ = k_cache.shape
+    num_blocks, block_size, n_kv, _ = k_cache.shape
     s = block_tables.shape[1] * block_size
-    # Gather each sequence's blocks: [B, max_blocks, bs, Hkv, D] -> [B, Hkv, S, D].
-    keys = k_cache[block_tables].view(b, s, n_kv, head_dim).transpose(1, 2)
-    values = v_cache[block_tables].view(b, s, n_kv, head_dim).transpose(1, 2)
-    if key_mask is None:
-        key_mask = decode_key_mask(seq_lens, s)
-    # Grouped heads with two batched matmuls beat SDPA with one query on CPU (PERF_NOTES).
-    qg = q.view(b, n_kv, n_heads // n_kv, head_dim)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * (head_dim**-0.5)  # [B, Hkv, G, S]
-    scores.masked_fill_(~key_mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, values).view(b, n_heads, head_dim)
+    # index_select on whole blocks is ~5x faster than advanced indexing on this CPU.
+    flat = block_tables.reshape(-1)
+    keys = k_cache.view(num_blocks, -1).index_select(0, flat).view(b, s, n_kv, head_dim)
+    values = v_cache.view(num_blocks, -1).index_select(0, flat).view(b, s, n_kv, head_dim)
+    if key_bias is None:
+        key_bias = decode_key_bias(seq_lens, s)
+    # Query heads grouped by KV head, two matmuls with a softmax between: faster here than
+    # SDPA with one query, and than one bmm per KV head (measured: bf16 bmm copies strided
+    # inputs anyway).
+    qg = q.reshape(b, n_kv, n_heads // n_kv, head_dim)
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1))  # [B, Hkv, G, S]
+    probs = torch.softmax(torch.add(key_bias[:, None], scores, alpha=head_dim**-0.5), dim=-1)
+    return torch.matmul(probs.to(q.dtype), values.transpose(1, 2)).reshape(b, n_heads, head_dim)
 
 
-def decode_key_mask(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
-    return torch.arange(max_len, device=seq_lens.device)[None, :] < seq_lens[:, None]
+def decode_key_bias(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``[B, 1, max_len]`` fp32: 0 where a key exists, -inf past each sequence's length."""
+    pad = torch.arange(max_len, device=seq_lens.device)[None, :] >= seq_lens[:, None]
+    bias = torch.zeros(pad.shape, dtype=torch.float32, device=seq_lens.device)
+    return bias.masked_fill_(pad, float("-inf"))[:, None, :]
 
 
 def paged_prefill(
@@ -70,8 +75,9 @@ def paged_prefill(
     t, _, head_dim = q.shape
     end = start + t
     n_kv = k_cache.shape[2]
-    keys = k_cache[block_table].view(-1, n_kv, head_dim)[:end]
-    values = v_cache[block_table].view(-1, n_kv, head_dim)[:end]
+    nb = k_cache.shape[0]
+    keys = k_cache.view(nb, -1).index_select(0, block_table).view(-1, n_kv, head_dim)[:end]
+    values = v_cache.view(nb, -1).index_select(0, block_table).view(-1, n_kv, head_dim)[:end]
     mask = None
     if start > 0:  # query i (position start + i) sees keys 0 .. start + i
         mask = (

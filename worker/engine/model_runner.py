@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hotpool.kernels.paged_attention import decode_key_mask
+from hotpool.kernels.paged_attention import decode_key_bias
 from hotpool.kernels.sampling import SamplingRow, sample
 from hotpool.worker.engine.base import SampledToken
 from hotpool.worker.engine.request import Request
@@ -89,7 +89,7 @@ class ModelRunner:
             device=dev,
         )[: len(decodes)]
         seq_lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.long, device=dev)
-        mask = decode_key_mask(seq_lens, width * self.kv.block_size) if decodes else None
+        mask = decode_key_bias(seq_lens, width * self.kv.block_size) if decodes else None
         spans = []
         q_start = len(decodes)
         for s in prefills:

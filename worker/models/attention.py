@@ -77,7 +77,7 @@ def _decode_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> to
     # One query token: two batched matmuls per KV-head group beat SDPA on CPU (PERF_NOTES).
     n_heads, head_dim = q.shape[1], q.shape[2]
     n_kv = keys.shape[1]
-    qg = q.view(n_kv, n_heads // n_kv, head_dim)  # [Hkv, G, D]
+    qg = q.reshape(n_kv, n_heads // n_kv, head_dim)  # [Hkv, G, D]
     scores = torch.bmm(qg, keys.permute(1, 2, 0)) * (head_dim**-0.5)  # [Hkv, G, S]
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = torch.bmm(probs, values.transpose(0, 1))  # [Hkv, G, D]
@@ -149,7 +149,7 @@ class PagedAttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64
     decode_seq_lens: torch.Tensor  # [num_decodes]
-    decode_key_mask: torch.Tensor | None  # [num_decodes, max_blocks * block_size]
+    decode_key_bias: torch.Tensor | None  # [num_decodes, 1, max_blocks * block_size] fp32
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -168,9 +168,9 @@ class PagedAttention(Attention):
         write_kv(k_cache, v_cache, k, v, m.slot_mapping)
         if not m.prefills:
             return paged_decode(
-                q, k_cache, v_cache, m.decode_block_tables, m.decode_seq_lens, m.decode_key_mask
+                q, k_cache, v_cache, m.decode_block_tables, m.decode_seq_lens, m.decode_key_bias
             )
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         if m.num_decodes:
             out[: m.num_decodes] = paged_decode(
                 q[: m.num_decodes],
@@ -178,7 +178,7 @@ class PagedAttention(Attention):
                 v_cache,
                 m.decode_block_tables,
                 m.decode_seq_lens,
-                m.decode_key_mask,
+                m.decode_key_bias,
             )
         for p in m.prefills:
             rows = slice(p.q_start, p.q_start + p.num_tokens)

@@ -94,17 +94,23 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # sin with the sign of rotate_half folded in, so applying RoPE is roll + two fused ops.
+        signed = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+        self.register_buffer("sin", signed, persistent=False)
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        # [T, 1, D] so they broadcast over heads.
-        return self.cos[positions, None, :].to(dtype), self.sin[positions, None, :].to(dtype)
+        """cos and signed sin for ``positions``, ``[T, 1, D]`` so they broadcast over heads."""
+        cos, sin = self._cast.get(dtype) or self._tables(dtype)
+        return cos[positions, None, :], sin[positions, None, :]
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # Cast the tables once per dtype instead of two casts per forward pass.
+        tables = self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        return tables
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    """HF's half-rotation RoPE: ``x * cos + rotate_half(x) * sin``, with ``sin`` from
+    :class:`RotaryEmbedding` (signed), where ``rotate_half(x) * sin == roll(x) * signed_sin``."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
