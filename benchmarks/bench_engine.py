@@ -122,8 +122,12 @@ def bench_hf(
 
 def bandwidth_limit(model_dir: Path, dtype: torch.dtype) -> tuple[float, float, float]:
     """(weight GB, copy GB/s, tokens/s bound): one decode reads every weight once."""
-    model = load_model(model_dir, torch.device("cpu"), dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model = load_model(model_dir, torch.device("cpu"), dtype, pack=False)
+    # Tied embeddings share storage with lm_head: count each storage once.
+    storages = {
+        p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()
+    }
+    weight_bytes = sum(storages.values())
     src = torch.empty(512 * 2**20, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
     dst.copy_(src)

@@ -22,7 +22,7 @@ MAX_STOP = 4
 _SAMPLING = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
     "seed", "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-    "top_k", "min_p", "repetition_penalty",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",  # vLLM's extensions
 }  # fmt: skip
 CHAT_FIELDS = _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                            "tool_choice", "parallel_tool_calls", "response_format"}  # fmt: skip
@@ -101,9 +101,6 @@ def _call(
         if not isinstance(include_usage, bool):
             raise invalid("`stream_options.include_usage` must be a boolean", "stream_options")
     b.unsupported_unless("n", lambda v: v is None or _number_is(v, 1), "only n=1 is supported")
-    for name in ("presence_penalty", "frequency_penalty", "min_p"):
-        b.unsupported_unless(name, lambda v: v is None or _number_is(v, 0))
-    b.unsupported_unless("repetition_penalty", lambda v: v is None or _number_is(v, 1))
     b.unsupported_unless("logit_bias", lambda v: not v)
     temperature = b.opt_number("temperature", 0.0, 2.0, 1.0)
     top_p = b.opt_number("top_p", 0.0, 1.0, 1.0)
@@ -114,12 +111,23 @@ def _call(
     user = b.opt("user", str, None)
     params = SamplingParams(
         max_tokens=max_tokens,
+        min_tokens=b.opt_int("min_tokens", 0, default=0) or 0,
         temperature=temperature,
         top_p=top_p,
         top_k=max(top_k or 0, 0),
+        min_p=b.opt_number("min_p", 0.0, 1.0, 0.0),
+        presence_penalty=b.opt_number("presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=b.opt_number("frequency_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=b.opt_number("repetition_penalty", 0.0, 10.0, 1.0),
         seed=seed,
         stop=_stop(b.opt("stop", (str, list), None)),
+        ignore_eos=bool(b.opt("ignore_eos", bool, False)),
     )
+    try:
+        params.validate()  # the engine's own rules, so nothing it would refuse gets this far
+    except ValueError as exc:
+        param = str(exc).split("`")[1] if "`" in str(exc) else None
+        raise invalid(str(exc), param) from None
     return CompletionCall(endpoint, model, params, stream, include_usage, messages, prompt, user)
 
 

@@ -142,8 +142,12 @@ def _rejects(parse: Any, body: Any, param: str | None, text: str = "") -> APIErr
         ({**CHAT, "n": 2}, "n"),
         ({**CHAT, "logprobs": True}, "logprobs"),
         ({**CHAT, "top_logprobs": 3}, "top_logprobs"),
-        ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
-        ({**CHAT, "frequency_penalty": -1}, "frequency_penalty"),
+        ({**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+        ({**CHAT, "frequency_penalty": -3}, "frequency_penalty"),
+        ({**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+        ({**CHAT, "min_p": 1.5}, "min_p"),
+        ({**CHAT, "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({**CHAT, "ignore_eos": "yes"}, "ignore_eos"),
         ({**CHAT, "logit_bias": {"50256": -100}}, "logit_bias"),
         ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
         ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
@@ -175,8 +179,16 @@ def test_unknown_field_is_rejected_like_openai() -> None:
 def test_unsupported_parameters_say_so() -> None:
     err = _rejects(parse_chat, {**CHAT, "n": 2}, "n", "n=1")
     assert err.code == "unsupported_parameter"
-    err = _rejects(parse_chat, {**CHAT, "presence_penalty": 1}, "presence_penalty", "not supported")
+    err = _rejects(parse_chat, {**CHAT, "logit_bias": {"1": 5}}, "logit_bias", "not supported")
     assert err.code == "unsupported_parameter"
+
+
+def test_penalties_and_vllm_extensions_reach_the_engine() -> None:
+    body = {**CHAT, "presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.1,
+            "min_p": 0.05, "top_k": 20, "min_tokens": 3, "ignore_eos": True}  # fmt: skip
+    p = parse_chat(body).params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.1)
+    assert (p.min_p, p.top_k, p.min_tokens, p.ignore_eos) == (0.05, 20, 3, True)
 
 
 @pytest.mark.parametrize("body", [None, [], "hi", 3])

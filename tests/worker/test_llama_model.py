@@ -59,3 +59,28 @@ def test_attention_rejects_a_step_past_the_cache() -> None:
     cache = SequenceKVCache(1, 4, 1, 8, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="holds 4 tokens"):
         ContiguousAttention(cache, 3, 2)
+
+
+def test_prepacked_bf16_linears_compute_what_plain_ones_do() -> None:
+    import copy
+
+    from hotpool.worker.models.packed_linear import pack_linears, packing_available
+
+    if not packing_available(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("this CPU build has no oneDNN prepacking")  # then load_model does not pack
+    plain = tiny_model(seed=2).to(torch.bfloat16)
+    packed = copy.deepcopy(plain)
+    assert pack_linears(packed) == 2 * 4 + 1  # four linears per layer, and the lm_head
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    c = plain.config
+    outs = []
+    for model in (plain, packed):
+        cache = SequenceKVCache(c.num_hidden_layers, len(ids), c.num_key_value_heads, c.head_dim,
+                                torch.bfloat16, torch.device("cpu"))  # fmt: skip
+        with torch.inference_mode():
+            hidden = model(
+                torch.tensor(ids), torch.arange(len(ids)), ContiguousAttention(cache, 0, len(ids))
+            )
+            outs.append(model.logits(hidden))
+    torch.testing.assert_close(outs[1], outs[0], atol=0.05, rtol=0.02)
+    assert (outs[1].argmax(-1) == outs[0].argmax(-1)).all()

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from hotpool.worker.models.llama import LlamaConfig, LlamaModel, convert_hf_state_dict, rotary_for
+from hotpool.worker.models.packed_linear import pack_linears, packing_available
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -19,8 +20,11 @@ class ModelLoadError(Exception):
     """The snapshot holds a model this worker cannot run."""
 
 
-def load_model(path: Path, device: torch.device, dtype: torch.dtype | None = None) -> LlamaModel:
-    """Load a HF-format Llama-family checkpoint. ``dtype=None`` keeps the checkpoint's dtype."""
+def load_model(
+    path: Path, device: torch.device, dtype: torch.dtype | None = None, pack: bool = True
+) -> LlamaModel:
+    """Load a HF-format Llama-family checkpoint. ``dtype=None`` keeps the checkpoint's dtype;
+    ``pack`` prepacks linear weights where that is faster (bf16 on CPU)."""
     config = json.loads((path / "config.json").read_text())
     arch = (config.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -54,4 +58,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype | None = Non
         raise ModelLoadError(f"checkpoint lacks {missing[:3]}")
     with torch.device(device):
         model.rope = rotary_for(cfg)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if pack and packing_available(device, target):
+        pack_linears(model)
+    return model

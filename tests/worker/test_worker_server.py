@@ -1,0 +1,91 @@
+"""The worker's internal HTTP API, in process, with the real SmolLM2 snapshot."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from starlette.testclient import TestClient
+
+from hotpool.worker.engine.llm_engine import EngineConfig
+from hotpool.worker.server import build_worker_app
+from hotpool.worker.service import WorkerService
+from hotpool.worker.snapshot.cache import SnapshotCache
+
+TOKEN = "test-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def worker(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_snapshot_bf16: Path
+) -> Iterator[TestClient]:
+    service = WorkerService(
+        SnapshotCache(tmp_path_factory.mktemp("cache")),
+        torch.device("cpu"),
+        EngineConfig(kv_cache_bytes=64 << 20),
+    )
+    with TestClient(build_worker_app(service, TOKEN, "w-test")) as client:
+        r = client.post(
+            "/load",
+            json={"deployment": "d", "snapshot_uri": f"file://{smollm2_snapshot_bf16}"},
+            headers=AUTH,
+        )
+        assert r.status_code == 200, r.text
+        assert set(r.json()["phases"]) == {"fetch", "load", "warmup"}
+        yield client
+        client.post("/unload", headers=AUTH)
+
+
+def _events(client: TestClient, body: dict[str, object]) -> list[dict[str, object]]:
+    with client.stream("POST", "/generate", json=body, headers=AUTH) as r:
+        assert r.status_code == 200
+        return [json.loads(line) for line in r.iter_lines() if line]
+
+
+def test_everything_but_health_needs_the_token(worker: TestClient) -> None:
+    assert worker.get("/health").json()["loaded"] == "d"
+    for path in ("/metrics", "/generate", "/load", "/unload", "/abort/x"):
+        method = worker.get if path == "/metrics" else worker.post
+        r = method(path, headers={"authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_generate_streams_deltas_then_exact_usage(worker: TestClient) -> None:
+    body = {"request_id": "g1", "messages": [{"role": "user", "content": "Hello!"}],
+            "params": {"max_tokens": 12, "temperature": 0.0}}  # fmt: skip
+    events = _events(worker, body)
+    final = events[-1]
+    assert final["finish_reason"] in ("stop", "length")
+    assert final["usage"]["completion_tokens"] == sum(len(e["token_ids"]) for e in events)
+    assert final["usage"]["prompt_tokens"] > 10  # the chat template's system prompt counts
+    assert "".join(e["text"] for e in events).strip()
+
+
+def test_bad_requests_are_400s_before_any_token(worker: TestClient) -> None:
+    too_long = {"request_id": "g2", "prompt": "hi", "params": {"max_tokens": 100_000}}
+    r = worker.post("/generate", json=too_long, headers=AUTH)
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    bad = {"request_id": "g3", "prompt": "hi", "params": {"top_p": 0}}
+    r = worker.post("/generate", json=bad, headers=AUTH)
+    assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]
+
+
+def test_metrics_show_the_engine(worker: TestClient) -> None:
+    _events(worker, {"request_id": "m1", "prompt": "One two three", "params": {"max_tokens": 3}})
+    _events(worker, {"request_id": "m2", "prompt": "One two three", "params": {"max_tokens": 3}})
+    text = worker.get("/metrics", headers=AUTH).text
+    names = [
+        "hotpool_engine_requests",
+        "hotpool_kv_cache_usage_ratio",
+        "hotpool_preemptions_total",
+        "hotpool_prefix_cache_hits_total",
+        "hotpool_engine_step_seconds_bucket",
+        "hotpool_engine_step_tokens_bucket",
+        "hotpool_worker_cold_start_seconds_bucket",
+    ]
+    for name in names:
+        assert name in text, name
