@@ -1,9 +1,11 @@
 """Attention over a paged KV cache: torch implementations (the CPU path and the reference).
 
-The cache of one layer is ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``;
-a sequence's tokens live in the blocks its block table lists, in order. Query head ``h``
-reads KV head ``h // (num_heads // num_kv_heads)`` (GQA). The Triton kernels of issue 4 will
-sit beside these with the same signatures.
+The cache of one layer is ``k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim]``
+(head-major: gathering a sequence's blocks yields ``[Hkv, S, D]`` per head with no
+transpose, which is the layout the matmuls want). A sequence's tokens live in the blocks
+its block table lists, in order; slot ``block * block_size + offset`` addresses a token.
+Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA). The Triton
+kernels of issue 4 will sit beside these with the same signatures.
 """
 
 from __future__ import annotations
@@ -19,9 +21,21 @@ def write_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store this step's ``k``/``v`` ``[T, Hkv, D]`` at flat slots: block * block_size + offset."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    """Store this step's ``k``/``v`` ``[T, Hkv, D]`` at their slots."""
+    n_kv, _, _, head_dim = k_cache.shape
+    k_cache.view(n_kv, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(n_kv, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks ``block_ids`` (any shape, flattened) of every head: ``[Hkv, n * block_size, D]``."""
+    n_kv, num_blocks, block_size, head_dim = cache.shape
+    flat = block_ids.reshape(-1)
+    out = cache.new_empty(n_kv, flat.numel(), block_size * head_dim)
+    # One contiguous row gather per head: 2x faster than index_select along dim 1 here.
+    for h in range(n_kv):
+        torch.index_select(cache[h].view(num_blocks, -1), 0, flat, out=out[h])
+    return out.view(n_kv, -1, head_dim)
 
 
 def paged_decode(
@@ -39,21 +53,20 @@ def paged_decode(
     may be passed precomputed, since it is the same for every layer of a step.
     """
     b, n_heads, head_dim = q.shape
-    num_blocks, block_size, n_kv, _ = k_cache.shape
+    n_kv, _, block_size, _ = k_cache.shape
     s = block_tables.shape[1] * block_size
-    # index_select on whole blocks is ~5x faster than advanced indexing on this CPU.
-    flat = block_tables.reshape(-1)
-    keys = k_cache.view(num_blocks, -1).index_select(0, flat).view(b, s, n_kv, head_dim)
-    values = v_cache.view(num_blocks, -1).index_select(0, flat).view(b, s, n_kv, head_dim)
+    # [Hkv, B, S, D]: (KV head, sequence) pairs are one contiguous batch dimension, so the
+    # batched matmuls below read the gathered keys and values in place.
+    keys = gather(k_cache, block_tables).view(n_kv * b, s, head_dim)
+    values = gather(v_cache, block_tables).view(n_kv * b, s, head_dim)
     if key_bias is None:
         key_bias = decode_key_bias(seq_lens, s)
-    # Query heads grouped by KV head, two matmuls with a softmax between: faster here than
-    # SDPA with one query, and than one bmm per KV head (measured: bf16 bmm copies strided
-    # inputs anyway).
-    qg = q.reshape(b, n_kv, n_heads // n_kv, head_dim)
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1))  # [B, Hkv, G, S]
-    probs = torch.softmax(torch.add(key_bias[:, None], scores, alpha=head_dim**-0.5), dim=-1)
-    return torch.matmul(probs.to(q.dtype), values.transpose(1, 2)).reshape(b, n_heads, head_dim)
+    group = n_heads // n_kv
+    qg = q.view(b, n_kv, group, head_dim).transpose(0, 1).reshape(n_kv * b, group, head_dim)
+    scores = torch.bmm(qg, keys.transpose(1, 2)).view(n_kv, b, group, s)
+    probs = torch.softmax(torch.add(key_bias, scores, alpha=head_dim**-0.5), dim=-1)
+    out = torch.bmm(probs.to(q.dtype).view(n_kv * b, group, s), values)  # [Hkv * B, G, D]
+    return out.view(n_kv, b, group, head_dim).transpose(0, 1).reshape(b, n_heads, head_dim)
 
 
 def decode_key_bias(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -72,12 +85,10 @@ def paged_prefill(
 ) -> torch.Tensor:
     """New tokens ``[start, start + T)`` of one sequence, ``q [T, Hq, D]``, attending causally
     to its cached prefix and to themselves (already written to the cache)."""
-    t, _, head_dim = q.shape
+    t = q.shape[0]
     end = start + t
-    n_kv = k_cache.shape[2]
-    nb = k_cache.shape[0]
-    keys = k_cache.view(nb, -1).index_select(0, block_table).view(-1, n_kv, head_dim)[:end]
-    values = v_cache.view(nb, -1).index_select(0, block_table).view(-1, n_kv, head_dim)[:end]
+    keys = gather(k_cache, block_table)[:, :end]  # [Hkv, end, D]
+    values = gather(v_cache, block_table)[:, :end]
     mask = None
     if start > 0:  # query i (position start + i) sees keys 0 .. start + i
         mask = (
@@ -86,8 +97,8 @@ def paged_prefill(
         )
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
-        keys.transpose(0, 1).unsqueeze(0),
-        values.transpose(0, 1).unsqueeze(0),
+        keys.unsqueeze(0),
+        values.unsqueeze(0),
         attn_mask=mask,
         is_causal=start == 0,
         enable_gqa=True,

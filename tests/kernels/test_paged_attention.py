@@ -23,12 +23,17 @@ def _naive(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     return torch.einsum("hts,shd->thd", scores.softmax(-1), v.double()).float()
 
 
+def _own(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """A sequence's tokens in order, ``[S, HKV, D]``, read the slow obvious way."""
+    return torch.cat([cache[:, b].transpose(0, 1) for b in table.tolist()])
+
+
 def _sequences(
     lens: list[int], gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """A cache holding each sequence's K/V in random, non-contiguous blocks."""
-    k_cache = torch.randn(NB, BS, HKV, D, generator=gen)
-    v_cache = torch.randn(NB, BS, HKV, D, generator=gen)
+    k_cache = torch.randn(HKV, NB, BS, D, generator=gen)
+    v_cache = torch.randn(HKV, NB, BS, D, generator=gen)
     perm = torch.randperm(NB, generator=gen)
     tables, used = [], 0
     for n in lens:
@@ -47,8 +52,8 @@ def test_decode_matches_naive_attention_in_both_batch_paths(lens: list[int]) -> 
     q = torch.randn(len(lens), H, D, generator=gen)
     out = paged_decode(q, k_cache, v_cache, padded, torch.tensor(lens))
     for i, n in enumerate(lens):
-        keys = k_cache[tables[i]].reshape(-1, HKV, D)[:n]
-        values = v_cache[tables[i]].reshape(-1, HKV, D)[:n]
+        keys = _own(k_cache, tables[i])[:n]
+        values = _own(v_cache, tables[i])[:n]
         torch.testing.assert_close(
             out[i : i + 1], _naive(q[i : i + 1], keys, values, n - 1), atol=1e-5, rtol=1e-5
         )
@@ -64,8 +69,8 @@ def test_prefill_attends_to_the_cached_prefix_and_causally_to_itself(start: int)
     slots = table[positions // BS] * BS + positions % BS
     write_kv(k_cache, v_cache, k, v, slots)
     q = torch.randn(t, H, D, generator=gen)
-    keys = k_cache[table].reshape(-1, HKV, D)[: start + t]
-    values = v_cache[table].reshape(-1, HKV, D)[: start + t]
+    keys = _own(k_cache, table)[: start + t]
+    values = _own(v_cache, table)[: start + t]
     torch.testing.assert_close(keys[start:], k)  # write_kv put them where the table says
     out = paged_prefill(q, k_cache, v_cache, table, start)
     torch.testing.assert_close(out, _naive(q, keys, values, start), atol=1e-5, rtol=1e-5)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 
 import pytest
 import torch
-from tiny_llama import tiny_model
+from tiny_llama import TINY, tiny_model
 
 from hotpool.worker.engine.async_engine import AsyncEngine
 from hotpool.worker.engine.base import EngineRequest, RequestOutput, RequestRejected
@@ -94,11 +95,13 @@ def test_kv_pressure_preempts_and_every_output_is_unchanged() -> None:
 
 
 def test_shared_prefix_is_served_from_cache_with_identical_output() -> None:
-    prefix = [(5 * j) % 89 + 3 for j in range(100)]
+    prefix = [(5 * j) % 89 + 3 for j in range(512)]
     first, second = [*prefix, 1, 2, 3], [*prefix, 4, 5]
+    long_context = replace(TINY, max_position_embeddings=1024)
 
     def run(caching: bool) -> tuple[list[int], int]:
-        engine = _engine(enable_prefix_caching=caching)
+        config = EngineConfig(kv_cache_bytes=256 * BLOCK_BYTES, enable_prefix_caching=caching)
+        engine = LLMEngine(tiny_model(cfg=long_context), CPU, config)
         _drain(engine, {0: [_req("a", first, max_tokens=4)]})
         outs = _drain(engine, {0: [_req("b", second, max_tokens=8)]})["b"]
         return _tokens(outs), outs[-1].num_cached_tokens
@@ -106,7 +109,7 @@ def test_shared_prefix_is_served_from_cache_with_identical_output() -> None:
     cached_tokens, n_cached = run(True)
     plain_tokens, n_plain = run(False)
     assert cached_tokens == plain_tokens
-    assert n_cached == 96 and n_plain == 0  # 6 full blocks of the 100-token prefix
+    assert n_cached == 512 and n_plain == 0  # all 32 full blocks of the shared prefix
 
 
 def test_abort_mid_generation_returns_every_block() -> None:

@@ -103,7 +103,7 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: i
 
 
 class PagedKVCache:
-    """Preallocated K and V of every layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """Preallocated K and V of every layer: ``[num_kv_heads, num_blocks, block_size, head_dim]``."""
 
     def __init__(
         self,
@@ -115,7 +115,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
