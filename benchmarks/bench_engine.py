@@ -56,14 +56,11 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 
 
 def bench_hotpool(
-    model_dir: Path, dtype: torch.dtype, reqs: list[list[int]], concurrency: int
+    model_dir: Path, dtype: torch.dtype, reqs: list[list[int]], concurrency: int, budget: int
 ) -> Result:
     model = load_model(model_dir, torch.device("cpu"), dtype)
-    engine = LLMEngine(
-        model,
-        torch.device("cpu"),
-        EngineConfig(max_num_seqs=concurrency, max_num_batched_tokens=2048),
-    )
+    config = EngineConfig(max_num_seqs=concurrency, max_num_batched_tokens=budget)
+    engine = LLMEngine(model, torch.device("cpu"), config)
     params = SamplingParams(
         max_tokens=OUTPUT_TOKENS, temperature=TEMPERATURE, top_p=TOP_P, ignore_eos=True
     )
@@ -156,6 +153,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -172,7 +172,7 @@ def main() -> None:
         # is reached after a few requests.
         n = min(args.requests, max(args.min_requests, 2 * c))
         reqs = prompts(n, 49152)
-        ours = bench_hotpool(model_dir, dtype, reqs, c)
+        ours = bench_hotpool(model_dir, dtype, reqs, c, args.max_num_batched_tokens)
         line = f"{c:>4} {n:>4} | {ours.tokens_per_s:>13.1f} {ours.ttft_s:>7.2f} "
         line += f"{ours.tpot_s * 1e3:>8.1f} | "
         if args.skip_hf:
