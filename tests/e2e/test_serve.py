@@ -177,3 +177,26 @@ def test_cli_deploy_invoke_and_usage_against_the_server(server: Server) -> None:
     out = hotpool("usage")
     assert out.returncode == 0, out.stderr
     assert any(line.split()[1:2] == ["smollm2"] for line in out.stdout.splitlines()[1:])
+
+
+def test_concurrent_requests_are_batched_and_each_billed_once(server: Server) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> httpx.Response:
+        body = {
+            "model": "smollm2",
+            "prompt": f"Fact number {i}:",
+            "max_tokens": 12,
+            "temperature": 0,
+        }
+        return httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
+
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(one, range(8)))
+    assert all(r.status_code == 200 for r in responses)
+    ids = {r.headers["x-request-id"] for r in responses}
+    assert len(ids) == 8
+    for r in responses:
+        row = server.ledger_row(r.headers["x-request-id"])
+        assert row.completion_tokens == r.json()["usage"]["completion_tokens"] == 12
+        assert row.status == "completed"
