@@ -8,6 +8,7 @@ paged KV cache (issue 3) is another implementation of the same interface.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -159,6 +160,7 @@ class PagedAttention(Attention):
     def __init__(self, cache: PagedKVCache, meta: PagedAttentionMetadata) -> None:
         self.cache = cache
         self.meta = meta
+        self.decode, self.prefill = attention_kernels(cache.k[0])
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -167,12 +169,12 @@ class PagedAttention(Attention):
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         write_kv(k_cache, v_cache, k, v, m.slot_mapping)
         if not m.prefills:
-            return paged_decode(
+            return self.decode(
                 q, k_cache, v_cache, m.decode_block_tables, m.decode_seq_lens, m.decode_key_bias
             )
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         if m.num_decodes:
-            out[: m.num_decodes] = paged_decode(
+            out[: m.num_decodes] = self.decode(
                 q[: m.num_decodes],
                 k_cache,
                 v_cache,
@@ -182,5 +184,19 @@ class PagedAttention(Attention):
             )
         for p in m.prefills:
             rows = slice(p.q_start, p.q_start + p.num_tokens)
-            out[rows] = paged_prefill(q[rows], k_cache, v_cache, p.block_table, p.start)
+            out[rows] = self.prefill(q[rows], k_cache, v_cache, p.block_table, p.start)
         return out
+
+
+def attention_kernels(
+    cache: torch.Tensor,
+) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """(decode, prefill) for a cache: the Triton kernels on CUDA where they support the shape,
+    else the torch implementations (the CPU path)."""
+    if cache.is_cuda:
+        from hotpool.kernels import triton_paged_attention as tk  # triton only where it runs
+
+        _, _, block_size, head_dim = cache.shape
+        if block_size in tk.SUPPORTED_BLOCK_SIZES and head_dim in tk.SUPPORTED_HEAD_DIMS:
+            return tk.triton_paged_decode, tk.triton_paged_prefill
+    return paged_decode, paged_prefill

@@ -1,0 +1,184 @@
+"""Triton paged attention against the torch reference, run by Triton's CPU interpreter."""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before the kernel module is first imported in this process: `triton.jit` reads
+# it when it wraps the kernels, and with it they run in numpy on the CPU, so no GPU is needed.
+os.environ["TRITON_INTERPRET"] = "1"
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from hotpool.kernels.paged_attention import paged_decode, paged_prefill
+from hotpool.kernels.triton_paged_attention import (
+    triton_paged_decode,
+    triton_paged_prefill,
+)
+
+NB, BS, D = 40, 16, 64
+LENS = [1, 15, 16, 17, 33, 70]  # one token, partial, exactly full, one over, several blocks
+
+
+def _cache(
+    n_kv: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    k = torch.randn(n_kv, NB, BS, D, generator=gen).to(dtype)
+    v = torch.randn(n_kv, NB, BS, D, generator=gen).to(dtype)
+    return k, v
+
+
+def _tables(lens: list[int], gen: torch.Generator, pad: int | None = None) -> torch.Tensor:
+    """``[B, max_blocks]`` int64: each sequence in its own random, non-contiguous blocks,
+    padded with random valid block ids (or ``pad``)."""
+    perm = torch.randperm(NB, generator=gen)
+    width = max(-(-n // BS) for n in lens)
+    tables = torch.randint(0, NB, (len(lens), width), generator=gen)
+    used = 0
+    for i, n in enumerate(lens):
+        blocks = -(-n // BS)
+        tables[i, :blocks] = perm[used : used + blocks]
+        if pad is not None:
+            tables[i, blocks:] = pad
+        used += blocks
+    return tables
+
+
+def _decode_case(
+    n_heads: int, n_kv: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = _cache(n_kv, dtype, gen)
+    q = torch.randn(len(LENS), n_heads, D, generator=gen).to(dtype)
+    return q, k_cache, v_cache, _tables(LENS, gen), torch.tensor(LENS)
+
+
+@pytest.mark.parametrize(("n_heads", "n_kv"), [(2, 2), (4, 2), (6, 2), (8, 1)])
+def test_decode_matches_reference_in_fp32_for_gqa_ratios_1_2_3_8(n_heads: int, n_kv: int) -> None:
+    args = _decode_case(n_heads, n_kv, torch.float32)
+    out = triton_paged_decode(*args)
+    assert out.shape == args[0].shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, paged_decode(*args), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_matches_reference_in_half_precision(dtype: torch.dtype) -> None:
+    args = _decode_case(4, 2, dtype, seed=1)
+    out = triton_paged_decode(*args)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, paged_decode(*args), atol=3e-2, rtol=3e-2)
+
+
+def test_decode_query_head_reads_kv_head_h_div_group() -> None:
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache = _cache(2, torch.float32, gen)
+    v_cache[0], v_cache[1] = 10.0, 20.0  # every value of KV head h is 10 * (h + 1)
+    q = torch.randn(len(LENS), 6, D, generator=gen)
+    out = triton_paged_decode(q, k_cache, v_cache, _tables(LENS, gen), torch.tensor(LENS))
+    expected = torch.tensor([10.0, 10.0, 10.0, 20.0, 20.0, 20.0])
+    torch.testing.assert_close(out[:, :, 0], expected.expand(len(LENS), 6))
+
+
+def test_decode_ignores_padding_entries_and_stale_slots_past_the_end() -> None:
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = _cache(2, torch.float32, gen)
+    q = torch.randn(len(LENS), 4, D, generator=gen)
+    clean = _tables(LENS, gen, pad=0)
+    reference = paged_decode(q, k_cache, v_cache, clean, torch.tensor(LENS))
+    poisoned = clean.clone()
+    for i, n in enumerate(LENS):
+        poisoned[i, -(-n // BS) :] = -1  # never dereferenced: only blocks with tokens are read
+        # Garbage after the sequence's last token, in its partially filled last block.
+        last = clean[i, (n - 1) // BS]
+        k_cache[:, last, (n - 1) % BS + 1 :] = float("nan")
+        v_cache[:, last, (n - 1) % BS + 1 :] = float("nan")
+    out = triton_paged_decode(q, k_cache, v_cache, poisoned, torch.tensor(LENS))
+    torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_reads_strided_inputs() -> None:
+    q, k_cache, v_cache, tables, lens = _decode_case(4, 2, torch.float32, seed=4)
+    qkv = torch.cat([q, torch.randn_like(q)], dim=1)  # q as a view of a fused projection
+    wide = torch.stack([tables, -tables], dim=2).flatten(1)[
+        :, ::2
+    ]  # a table with a column stride of 2
+    lens32 = torch.stack([lens, -lens], dim=1).int()[:, 0]
+    assert not qkv[:, :4].is_contiguous() and not wide.is_contiguous()
+    out = triton_paged_decode(qkv[:, :4], k_cache, v_cache, wide, lens32)
+    torch.testing.assert_close(
+        out, paged_decode(q, k_cache, v_cache, tables, lens), atol=1e-4, rtol=1e-4
+    )
+
+
+def _prefill_case(
+    start: int, t: int, dtype: torch.dtype, n_heads: int = 4, n_kv: int = 2
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    gen = torch.Generator().manual_seed(start * 100 + t)
+    # The cache already holds the new tokens' K/V (written by write_kv before attention).
+    k_cache, v_cache = _cache(n_kv, dtype, gen)
+    table = _tables([start + t], gen)[0]
+    q = torch.randn(t, n_heads, D, generator=gen).to(dtype)
+    return q, k_cache, v_cache, table, start
+
+
+@pytest.mark.parametrize(("start", "t"), [(0, 1), (0, 21), (5, 33), (16, 16), (37, 20)])
+def test_prefill_matches_reference_in_fp32(start: int, t: int) -> None:
+    args = _prefill_case(start, t, torch.float32)
+    out = triton_paged_prefill(*args)
+    torch.testing.assert_close(out, paged_prefill(*args), atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_matches_reference_with_gqa_ratio_3_in_bf16() -> None:
+    args = _prefill_case(9, 19, torch.bfloat16, n_heads=6, n_kv=2)
+    out = triton_paged_prefill(*args)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, paged_prefill(*args), atol=3e-2, rtol=3e-2)
+
+
+def test_prefill_never_sees_keys_after_the_query_or_past_the_table_end() -> None:
+    q, k_cache, v_cache, table, start = _prefill_case(3, 18, torch.float32)
+    reference = paged_prefill(q, k_cache, v_cache, table, start)
+    end = start + q.shape[0]
+    last = table[(end - 1) // BS]
+    k_cache[:, last, (end - 1) % BS + 1 :] = float("nan")
+    v_cache[:, last, (end - 1) % BS + 1 :] = float("nan")
+    padded = torch.cat([table, table.new_full((3,), -1)])  # unused trailing entries
+    out = triton_paged_prefill(q, k_cache, v_cache, padded, start)
+    torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
+
+
+_Q, _K, _V, _T, _L = _decode_case(4, 2, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: triton_paged_decode(_Q.double(), _K, _V, _T, _L), "q dtype"),
+        (lambda: triton_paged_decode(_Q, _K.half(), _V, _T, _L), "share a dtype"),
+        (lambda: triton_paged_decode(_Q, _K[0], _V[0], _T, _L), "num_kv_heads, num_blocks"),
+        (lambda: triton_paged_decode(_Q[..., :32], _K[..., :32], _V[..., :32], _T, _L), "head_dim"),
+        (lambda: triton_paged_decode(_Q, _K[:, :, :8], _V[:, :, :8], _T, _L), "block_size"),
+        (lambda: triton_paged_decode(_Q[:, :3], _K, _V, _T, _L), "not a multiple"),
+        (lambda: triton_paged_decode(_Q, _K, _V, _T.int(), _L), "block_tables dtype"),
+        (lambda: triton_paged_decode(_Q, _K, _V, _T[:2], _L), "block_tables must be"),
+        (lambda: triton_paged_decode(_Q, _K, _V, _T, _L.float()), "seq_lens dtype"),
+        (lambda: triton_paged_decode(_Q, _K, _V, _T, _L[:2]), "seq_lens must be"),
+        (lambda: triton_paged_prefill(_Q, _K, _V, _T[0], -1), "start"),
+        (lambda: triton_paged_prefill(_Q, _K, _V, _T, 0), "1-D"),
+        (lambda: triton_paged_prefill(_Q, _K, _V, _T[0, :1], 20), "need 2"),
+    ],
+)
+def test_wrappers_reject_bad_inputs_with_a_clear_error(
+    call: Callable[[], torch.Tensor], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_wrappers_reject_a_cache_not_dense_in_head_dim() -> None:
+    k = torch.randn(2, NB, BS, D * 2)[..., ::2]
+    with pytest.raises(ValueError, match="contiguous in head_dim"):
+        triton_paged_decode(_Q, k, _V, _T, _L)
