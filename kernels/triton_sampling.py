@@ -24,7 +24,9 @@ rows with few distinct logits finish in a handful.
 
 Passes per row: greedy and temperature-only rows read the row once; filtered rows read it
 once for the max and normaliser, once per bisection step, once for the top_p mass and once
-to draw. Rows holding a NaN, or no finite logit, get token ``-1`` and logprob NaN.
+to draw. Rows holding a NaN or +inf, or no finite logit, get token ``-1`` and logprob NaN
+(the wrapper does not look, which would wait for the device; the caller raises on -1).
+So far the kernel has run only under the CPU interpreter (``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ def _unkey(k):
 
 @triton.jit
 def _gumbel_scores(x, idx, seed, counter, inv_t):
-    u = tl.rand(seed, counter + idx)
-    return x * inv_t - tl.log(-tl.log(u))
+    # u = 0 (odds 2**-31) would score -inf; a tiny floor keeps the log finite instead.
+    u = tl.maximum(tl.rand(seed, counter + idx), 1e-30)
+    return x * inv_t - tl.log(-tl.log(u))  # x / T + Gumbel(0, 1)
 
 
 @triton.jit
@@ -66,7 +69,19 @@ def _survives(x, m, inv_t, vk, min_p):
 
 
 @triton.jit
-def _threshold(base, V, lo, hi, c, m, inv_t, vk, min_p, BY_MASS: tl.constexpr, BLOCK: tl.constexpr, VALUE_ROUNDS: tl.constexpr = 24
+def _threshold(
+    base,
+    V,
+    lo,
+    hi,
+    c,
+    m,
+    inv_t,
+    vk,
+    min_p,
+    BY_MASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VALUE_ROUNDS: tl.constexpr = 24,
 ):
     """The smallest logit ``v`` in ``[lo, hi]`` whose surviving tokens above it count
     (``BY_MASS`` False) or weigh less than ``c``; ``v = hi`` must qualify, ``c > 0``.
@@ -172,39 +187,44 @@ def _sample_kernel(
                 token = start + tl.argmax(sc, 0)
     if greedy:
         token = best
+    # NaN or +inf anywhere, or no finite logit: no distribution to sample (token -1).
+    valid = (nans == 0) & (m > float("-inf")) & (m < float("inf"))
 
-    if filtered:
+    if filtered & valid:
         vk = xmin
         if k_on:
             vk = _threshold(base, V, xmin, m, k.to(tl.float32), m, inv_t, xmin, 0.0, False, BLOCK)
-        # The survivors' mass and smallest logit, where the top_p search starts.
-        mass = 0.0
-        lo = float("inf")
-        for start in range(0, V, BLOCK):
-            idx = start + tl.arange(0, BLOCK)
-            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            keep, w = _survives(x, m, inv_t, vk, min_p)
-            mass += tl.sum(tl.where(keep, w, 0.0))
-            lo = tl.minimum(lo, tl.min(tl.where(keep, x, float("inf"))))
-        thr = lo
+        thr = vk
         if top_p < 1.0:
+            # The survivors' mass and smallest logit, where the top_p search starts.
+            mass = 0.0
+            lo = float("inf")
+            for start in range(0, V, BLOCK):
+                idx = start + tl.arange(0, BLOCK)
+                x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+                keep, w = _survives(x, m, inv_t, vk, min_p)
+                mass += tl.sum(tl.where(keep, w, 0.0))
+                lo = tl.minimum(lo, tl.min(tl.where(keep, x, float("inf"))))
             thr = _threshold(base, V, lo, m, top_p * mass, m, inv_t, vk, min_p, True, BLOCK)
         for start in range(0, V, BLOCK):
             idx = start + tl.arange(0, BLOCK)
             x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
             keep, _ = _survives(x, m, inv_t, thr, min_p)
-            sc = tl.where(keep, _gumbel_scores(x, idx, seed, counter, inv_t), float("-inf"))
+            sc = _gumbel_scores(x - m, idx, seed, counter, inv_t)
+            sc = tl.where(keep, sc, float("-inf"))
             bs = tl.max(sc)
             if bs > score:
                 score = bs
                 token = start + tl.argmax(sc, 0)
 
-    if (nans > 0) | (m == float("-inf")):
+    if ~valid:
         token = -1
     tl.store(token_ptr + row, token.to(tl.int64))
-    chosen = tl.load(base + tl.maximum(token, 0)).to(tl.float32)
-    logprob = chosen - (m + tl.log(s))
-    tl.store(logprob_ptr + row, tl.where(token >= 0, logprob, float("nan")))
+    logprob = float("nan")
+    if valid:
+        chosen = tl.load(base + token).to(tl.float32)
+        logprob = chosen - (m + tl.log(s))
+    tl.store(logprob_ptr + row, logprob)
 
 
 def _check_param(name: str, t: torch.Tensor, dtype: torch.dtype, b: int, dev: torch.device) -> None:

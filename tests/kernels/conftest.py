@@ -1,6 +1,9 @@
-"""Triton kernels run in Triton's CPU interpreter here (no GPU): the flag must be set before
+"""Without a GPU, Triton kernels run in Triton's CPU interpreter. The flag must be set before
 ``triton`` is first imported anywhere in the test process, so it is set at collection time."""
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
