@@ -5,7 +5,8 @@ The cache of one layer is ``k_cache, v_cache: [num_kv_heads, num_blocks, block_s
 transpose, which is the layout the matmuls want). A sequence's tokens live in the blocks
 its block table lists, in order; slot ``block * block_size + offset`` addresses a token.
 Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA). The Triton
-kernels of issue 4 will sit beside these with the same signatures.
+kernels in ``triton_paged_attention`` have the same signatures; the engine uses those on
+CUDA (``worker/models/attention.py: attention_kernels``).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 ``add_request`` / ``abort`` / ``step``: each ``step`` advances every running request by the
 work the engine schedules (a prefill chunk or one decoded token) and returns what changed.
-The engine knows nothing of HTTP, text or SQL; token ids in, token ids out. The simple
-engine implements it today; the scheduler over a paged KV cache (issue 3) replaces it.
+The engine knows nothing of HTTP, text or SQL; token ids in, token ids out (the worker's
+detokenizer makes text). :class:`~hotpool.worker.engine.llm_engine.LLMEngine` implements it.
 """
 
 from __future__ import annotations

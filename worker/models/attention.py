@@ -1,8 +1,10 @@
-"""The attention interface models are written against, and a contiguous-cache backend.
+"""The attention interface models are written against, and its two backends.
 
 A model calls ``attn.forward(layer, q, k, v)`` once per layer with this step's new tokens;
-the backend writes k/v into its cache and attends q over everything cached so far. The
-paged KV cache (issue 3) is another implementation of the same interface.
+the backend writes k/v into its cache and attends q over everything cached so far.
+:class:`PagedAttention` is the engine's (a paged cache shared by a batch of sequences);
+:class:`ContiguousAttention` keeps one sequence in one buffer, the obviously correct
+reference that tests compare against.
 """
 
 from __future__ import annotations
