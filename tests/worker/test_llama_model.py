@@ -84,3 +84,39 @@ def test_prepacked_bf16_linears_compute_what_plain_ones_do() -> None:
             outs.append(model.logits(hidden))
     torch.testing.assert_close(outs[1], outs[0], atol=0.05, rtol=0.02)
     assert (outs[1].argmax(-1) == outs[0].argmax(-1)).all()
+
+
+def _bf16_logits(model: LlamaModel, ids: list[int], chunks: list[int]) -> torch.Tensor:
+    c = model.config
+    cache = SequenceKVCache(c.num_hidden_layers, len(ids), c.num_key_value_heads, c.head_dim,
+                            torch.bfloat16, torch.device("cpu"))  # fmt: skip
+    out, start = [], 0
+    with torch.inference_mode():
+        for n in chunks:
+            t = torch.tensor(ids[start : start + n])
+            hidden = model(t, torch.arange(start, start + n), ContiguousAttention(cache, start, n))
+            out.append(model.logits(hidden))
+            start += n
+    return torch.cat(out)
+
+
+def test_fused_cpu_kernels_compute_what_torch_ops_do_in_bf16() -> None:
+    """bfloat16 on the CPU runs the fused C kernels; both paths stay as close to the float32
+    model as bfloat16 allows, and to each other."""
+    from hotpool.kernels import cpu_ops
+
+    if cpu_ops.load() is None:
+        pytest.fail("the CPU kernels did not build (CI has a C compiler)")
+    ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
+    chunks = [7, 1, 1, 3]
+    exact = _logits(tiny_model(seed=4), ids, [len(ids)])
+    native = tiny_model(seed=4).to(torch.bfloat16)
+    plain = tiny_model(seed=4).to(torch.bfloat16)
+    plain.native_ops = False
+    got = {}
+    for name, model in (("native", native), ("torch", plain)):
+        got[name] = _bf16_logits(model, ids, chunks)
+        assert model.ops(torch.zeros(1, dtype=torch.bfloat16)).name == name
+        torch.testing.assert_close(got[name], exact, atol=0.15, rtol=0.05)
+    torch.testing.assert_close(got["native"], got["torch"], atol=0.1, rtol=0.05)
+    assert (got["native"].argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9

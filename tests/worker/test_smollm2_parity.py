@@ -8,6 +8,7 @@ divergence is allowed only at a near-tie, where each side's token is in the othe
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 
 from hotpool.worker.engine.base import EngineRequest, RequestOutput
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
-from hotpool.worker.models.loader import load_model
+from hotpool.worker.models.loader import DTYPES, load_model
 from hotpool.worker.protocol import ChatMessage, SamplingParams
 from hotpool.worker.tokenizer import TextTokenizer
 
@@ -58,11 +59,21 @@ def _diverges_only_at_a_near_tie(
     return len(mine) == len(hf)
 
 
+@pytest.fixture(scope="module")
+def hf_smollm2_bf16(hf_smollm2_model: Any) -> Any:
+    return copy.deepcopy(hf_smollm2_model).to(torch.bfloat16)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_concurrent_staggered_greedy_matches_hf_transformers_alone(
-    hf_smollm2_tokenizer: Any, hf_smollm2_model: Any, smollm2_snapshot_fp32: Path
+    dtype: str, hf_smollm2_tokenizer: Any, request: pytest.FixtureRequest
 ) -> None:
-    tok = TextTokenizer(smollm2_snapshot_fp32)
+    """In float32 (torch ops) and in bfloat16, the CPU default (the fused C kernels, where
+    they build): HF runs the same dtype."""
+    snapshot: Path = request.getfixturevalue(f"smollm2_snapshot_{dtype}")
+    hf_model = request.getfixturevalue("hf_smollm2_model" if dtype == "fp32" else "hf_smollm2_bf16")
+    tok = TextTokenizer(snapshot)
     prompts = []
     for text in PROMPTS:
         ids = tok.encode(tok.apply_chat_template([ChatMessage("user", text)]))
@@ -74,7 +85,7 @@ def test_concurrent_staggered_greedy_matches_hf_transformers_alone(
         prompts.append(ids)
     assert len({len(p) for p in prompts}) >= 8  # prompts of different lengths
 
-    model = load_model(smollm2_snapshot_fp32, torch.device("cpu"), torch.float32)
+    model = load_model(snapshot, torch.device("cpu"), DTYPES[dtype])
     engine = LLMEngine(model, torch.device("cpu"), EngineConfig(max_num_batched_tokens=96))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=TOP)
     outs: dict[str, list[RequestOutput]] = {}
@@ -89,14 +100,24 @@ def test_concurrent_staggered_greedy_matches_hf_transformers_alone(
     assert len(outs) == len(prompts)
 
     near_ties = []
+    agreed = 0  # tokens before the first divergence, over all prompts
     for i, ids in enumerate(prompts):
-        hf_tokens, hf_top = _hf_generate(hf_smollm2_model, ids)
+        hf_tokens, hf_top = _hf_generate(hf_model, ids)
         ours = outs[f"p{i}"]
         mine = [o.new_token_ids[0] for o in ours]
+        agreed += next(
+            (j for j, (a, b) in enumerate(zip(mine, hf_tokens, strict=False)) if a != b),
+            min(len(mine), len(hf_tokens)),
+        )
         if mine != hf_tokens:
             why = f"prompt {i}:\n ours {tok.decode(mine)!r}\n hf   {tok.decode(hf_tokens)!r}"
             assert _diverges_only_at_a_near_tie(ours, hf_tokens, hf_top), why
             near_ties.append(i)
         if i == 0:
             assert "Paris" in tok.decode(mine)
-    assert len(near_ties) <= 1, f"near-tie divergences in prompts {near_ties}"
+    print(f"{dtype}: {agreed} of {len(prompts) * NEW_TOKENS} tokens agree; near ties {near_ties}")
+    # bfloat16 keeps 8 bits of mantissa: a different batch shape flips near-ties far more
+    # often (measured: 5 of 9 prompts diverge, with torch ops and fused kernels alike, after
+    # 200-245 of 576 tokens agree). Every divergence must still be a near-tie.
+    if dtype == "fp32":
+        assert len(near_ties) <= 1, f"near-tie divergences in prompts {near_ties}"

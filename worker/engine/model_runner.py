@@ -19,6 +19,7 @@ from hotpool.worker.models.attention import (
     PagedAttentionMetadata,
     PagedKVCache,
     PrefillSpan,
+    attention_kernels,
 )
 from hotpool.worker.models.llama import LlamaModel
 
@@ -28,6 +29,7 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.device = device
+        self.attention = attention_kernels(kv.k[0], native=model.native_ops)
         self._generators: dict[str, torch.Generator] = {}
 
     def release(self, request_id: str) -> None:
@@ -55,7 +57,7 @@ class ModelRunner:
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
-            PagedAttention(self.kv, meta),
+            PagedAttention(self.kv, meta, self.attention),
         )
         samplers = [s for s in ordered if s.samples]
         if not samplers:
@@ -89,7 +91,9 @@ class ModelRunner:
             device=dev,
         )[: len(decodes)]
         seq_lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.long, device=dev)
-        mask = decode_key_bias(seq_lens, width * self.kv.block_size) if decodes else None
+        mask = None
+        if decodes and self.attention.needs_key_bias:
+            mask = decode_key_bias(seq_lens, width * self.kv.block_size)
         spans = []
         q_start = len(decodes)
         for s in prefills:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hotpool.kernels import cpu_ops
 from hotpool.kernels.paged_attention import paged_decode, paged_prefill, write_kv
 
 
@@ -159,24 +160,29 @@ class PagedAttentionMetadata:
 class PagedAttention(Attention):
     """The engine's attention: new K/V into the paged cache, then decode and prefill parts."""
 
-    def __init__(self, cache: PagedKVCache, meta: PagedAttentionMetadata) -> None:
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        meta: PagedAttentionMetadata,
+        kernels: AttentionKernels | None = None,
+    ) -> None:
         self.cache = cache
         self.meta = meta
-        self.decode, self.prefill = attention_kernels(cache.k[0])
+        self.kernels = kernels or attention_kernels(cache.k[0])
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        m = self.meta
+        m, kern = self.meta, self.kernels
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        write_kv(k_cache, v_cache, k, v, m.slot_mapping)
+        kern.write_kv(k_cache, v_cache, k, v, m.slot_mapping)
         if not m.prefills:
-            return self.decode(
+            return kern.decode(
                 q, k_cache, v_cache, m.decode_block_tables, m.decode_seq_lens, m.decode_key_bias
             )
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         if m.num_decodes:
-            out[: m.num_decodes] = self.decode(
+            out[: m.num_decodes] = kern.decode(
                 q[: m.num_decodes],
                 k_cache,
                 v_cache,
@@ -186,19 +192,49 @@ class PagedAttention(Attention):
             )
         for p in m.prefills:
             rows = slice(p.q_start, p.q_start + p.num_tokens)
-            out[rows] = self.prefill(q[rows], k_cache, v_cache, p.block_table, p.start)
+            out[rows] = kern.prefill(q[rows], k_cache, v_cache, p.block_table, p.start)
         return out
 
 
-def attention_kernels(
-    cache: torch.Tensor,
-) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
-    """(decode, prefill) for a cache: the Triton kernels on CUDA where they support the shape,
-    else the torch implementations (the CPU path)."""
+@dataclass(frozen=True)
+class AttentionKernels:
+    """One implementation of the three steps of paged attention, with the signatures of
+    ``hotpool.kernels.paged_attention``."""
+
+    name: str
+    write_kv: Callable[..., None]
+    decode: Callable[..., torch.Tensor]
+    prefill: Callable[..., torch.Tensor]
+    needs_key_bias: bool  # whether decode reads the metadata's precomputed key bias
+
+
+TORCH_KERNELS = AttentionKernels("torch", write_kv, paged_decode, paged_prefill, True)
+
+
+def attention_kernels(cache: torch.Tensor, native: bool = True) -> AttentionKernels:
+    """The kernels for a cache: Triton on CUDA where it supports the shape, the fused C
+    kernels for bfloat16 on the CPU (``native``, when they build), else torch."""
+    _, _, block_size, head_dim = cache.shape
     if cache.is_cuda:
         from hotpool.kernels import triton_paged_attention as tk  # triton only where it runs
 
-        _, _, block_size, head_dim = cache.shape
         if block_size in tk.SUPPORTED_BLOCK_SIZES and head_dim in tk.SUPPORTED_HEAD_DIMS:
-            return tk.triton_paged_decode, tk.triton_paged_prefill
-    return paged_decode, paged_prefill
+            return AttentionKernels(
+                "triton", write_kv, tk.triton_paged_decode, tk.triton_paged_prefill, False
+            )
+    elif native and cache.dtype == torch.bfloat16:
+        ops = cpu_ops.load()
+        if ops is not None:
+
+            def decode(
+                q: torch.Tensor,
+                k_cache: torch.Tensor,
+                v_cache: torch.Tensor,
+                block_tables: torch.Tensor,
+                seq_lens: torch.Tensor,
+                key_bias: torch.Tensor | None = None,
+            ) -> torch.Tensor:
+                return ops.paged_decode(q, k_cache, v_cache, block_tables, seq_lens)
+
+            return AttentionKernels("native", ops.write_kv, decode, paged_prefill, False)
+    return TORCH_KERNELS

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hotpool.worker.models.attention import Attention
+from hotpool.worker.models.ops import RopeInputs, TorchOps, ops_for
 from hotpool.worker.models.rope import RopeScaling, RotaryEmbedding, apply_rope, parse_rope
 
 __all__ = ["LlamaConfig", "LlamaModel", "RotaryEmbedding", "apply_rope", "convert_hf_state_dict"]
@@ -102,13 +103,14 @@ def _check_full_attention(data: dict[str, Any], max_positions: int) -> None:
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the model applies it through its ops (fused with the residual add)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op (it accumulates in fp32 for bf16/fp16 inputs) instead of six.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -120,19 +122,18 @@ class SelfAttention(nn.Module):
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        self.split = (q_size, kv_size, kv_size)
         # One fused q/k/v matmul instead of three (PERF_NOTES: fused projections pay).
-        self.wqkv = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.qkv_bias)
+        self.wqkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention
+        self, x: torch.Tensor, rope: RopeInputs, attn: Attention, ops: TorchOps
     ) -> torch.Tensor:
         t, nq, nkv = x.shape[0], self.n_heads, self.n_kv
         qkv = self.wqkv(x).view(t, nq + 2 * nkv, self.head_dim)
-        # q and k sit side by side in the fused projection: one RoPE for both.
-        qk = apply_rope(qkv[:, : nq + nkv], cos, sin)
-        q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :]
+        # q and k sit side by side in the fused projection: one RoPE pass for both.
+        ops.rope_(qkv, nq + nkv, rope)
+        q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
         out = attn.forward(self.layer_idx, q, k, v)
         return self.wo(out.reshape(t, -1))
 
@@ -140,16 +141,18 @@ class SelfAttention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
+        # gate and up in one matmul: [gate | up].
         self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.inter, dim=-1)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return self.w2(ops.silu_mul(self.w13(x)))
 
 
 class Block(nn.Module):
+    """One decoder layer's modules; :meth:`LlamaModel.forward` chains them, so that each
+    residual add is fused with the RMSNorm after it."""
+
     def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -157,15 +160,13 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, attn)
-        return h + self.feed_forward(self.ffn_norm(h))
-
 
 class LlamaModel(nn.Module):
-    """Decoder stack; :meth:`forward` returns hidden states, :meth:`logits` projects a subset."""
+    """Decoder stack; :meth:`forward` returns hidden states, :meth:`logits` projects a subset.
+
+    ``native_ops`` (default on) lets bfloat16 on the CPU run the fused C kernels of
+    :mod:`hotpool.worker.models.ops`; off, every device and dtype runs torch ops.
+    """
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -175,15 +176,39 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = rotary_for(cfg)
+        self.native_ops = True
+        self._ops: dict[tuple[torch.device, torch.dtype, bool], TorchOps] = {}
+
+    def ops(self, x: torch.Tensor) -> TorchOps:
+        key = (x.device, x.dtype, self.native_ops)
+        found = self._ops.get(key)
+        if found is None:
+            found = self._ops[key] = (
+                ops_for(x.device, x.dtype, self.config.head_dim) if self.native_ops else TorchOps()
+            )
+        return found
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
-        x = self.embed(input_ids)
-        cos, sin = self.rope(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return x
+        residual = self.embed(input_ids)  # a fresh tensor: the residual stream, updated in place
+        ops = self.ops(residual)
+        rope = ops.rope_inputs(self.rope, positions, residual.dtype)
+        layers = list(self.layers)
+        if not layers:
+            return residual
+        norm = layers[0].attention_norm
+        h = ops.add_rms_norm(None, residual, norm.weight, norm.eps)
+        for i, layer in enumerate(layers):
+            a = layer.attention(h, rope, attn, ops)
+            h = ops.add_rms_norm(a, residual, layer.ffn_norm.weight, layer.ffn_norm.eps)
+            m = layer.feed_forward(h, ops)
+            if i + 1 < len(layers):
+                norm = layers[i + 1].attention_norm
+                h = ops.add_rms_norm(m, residual, norm.weight, norm.eps)
+            else:
+                residual.add_(m)  # the final norm runs in logits(), on the sampled rows only
+        return residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the given rows of hidden state (only the rows being sampled)."""

@@ -101,12 +101,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos and signed sin for ``positions``, ``[T, 1, D]`` so they broadcast over heads."""
-        cos, sin = self._cast.get(dtype) or self._tables(dtype)
+        cos, sin = self.tables(dtype)
         return cos[positions, None, :], sin[positions, None, :]
 
-    def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # Cast the tables once per dtype instead of two casts per forward pass.
-        tables = self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos and signed sin tables ``[max_positions, D]`` in ``dtype``."""
+        tables = self._cast.get(dtype)
+        if tables is None:
+            # Cast the tables once per dtype instead of two casts per forward pass.
+            tables = self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
         return tables
 
 

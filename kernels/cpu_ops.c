@@ -1,0 +1,231 @@
+/*
+ * Fused bfloat16 kernels for the CPU decode path (see cpu_ops.py, which builds and loads
+ * this file with the system C compiler and calls it through ctypes).
+ *
+ * Why C: on the CPU a decode step of a small model is dominated not by its matmuls but by
+ * the dozens of small element-wise ops around them (RMSNorm alone is eight aten ops on
+ * bfloat16), each a pass over memory plus dispatch overhead. Each function here is one pass.
+ *
+ * Numerics follow HF transformers' bfloat16 modules op by op (the parity reference): every
+ * intermediate that HF rounds to bfloat16 is rounded here too, and the reductions run in
+ * float32. Attention keeps scores and probabilities in float32 throughout, like PyTorch's
+ * CPU flash-attention kernel.
+ *
+ * Threads: OpenMP, linked against the libgomp that torch has already loaded, so these
+ * kernels and torch's share one thread pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+static inline float bf2f(bf16 x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch does; NaN stays a (quiet) NaN. */
+static inline bf16 f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40u;
+    return (bf16)(((u & 0x7FFFFFFFu) > 0x7F800000u) ? nan : rounded);
+}
+
+static inline float round_bf(float f) { return bf2f(f2bf(f)); }
+
+/* exp for float32, Cephes' polynomial (about 1 ulp), written to vectorise. */
+static inline float exp_f32(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.7f ? 88.7f : x;
+    float n = rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = (int32_t)n + 127;
+    uint32_t bits = (uint32_t)e << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/*
+ * residual[t] += x[t] (when x is not NULL, rounded to bf16 like HF's `residual + hidden`),
+ * then out[t] = weight * bf16(residual[t] * rsqrt(mean(residual[t]^2) + eps)): LlamaRMSNorm.
+ */
+void hp_add_rms_norm(const bf16 *x, bf16 *residual, const bf16 *weight, bf16 *out, int64_t rows,
+                     int64_t hidden, float eps) {
+#pragma omp parallel for schedule(static) if (rows >= 8)
+    for (int64_t t = 0; t < rows; ++t) {
+        bf16 *r = residual + t * hidden;
+        bf16 *o = out + t * hidden;
+        if (x) {
+            const bf16 *xt = x + t * hidden;
+#pragma omp simd
+            for (int64_t d = 0; d < hidden; ++d) r[d] = f2bf(bf2f(r[d]) + bf2f(xt[d]));
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t d = 0; d < hidden; ++d) sum += bf2f(r[d]) * bf2f(r[d]);
+        float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; ++d)
+            o[d] = f2bf(bf2f(weight[d]) * round_bf(bf2f(r[d]) * inv));
+    }
+}
+
+/* out[t] = bf16(bf16(silu(gate[t])) * up[t]) for gate_up[t] = [gate | up]: HF's LlamaMLP. */
+void hp_silu_mul(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows * inter >= 16384)
+    for (int64_t t = 0; t < rows; ++t) {
+        const bf16 *g = gate_up + t * 2 * inter;
+        const bf16 *u = g + inter;
+        bf16 *o = out + t * inter;
+#pragma omp simd
+        for (int64_t d = 0; d < inter; ++d) {
+            float gf = bf2f(g[d]);
+            float s = round_bf(gf / (1.0f + exp_f32(-gf)));
+            o[d] = f2bf(s * bf2f(u[d]));
+        }
+    }
+}
+
+/*
+ * RoPE in place on the first `heads` heads of each row of x ([rows, row_stride] bf16, head
+ * h of row t at x + t * row_stride + h * dim), HF's half rotation with bf16 tables:
+ * out = bf16(bf16(x * cos) + bf16(roll(x) * signed_sin)), signed_sin = [-sin | sin].
+ */
+void hp_rope(bf16 *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim,
+             const int64_t *positions, const bf16 *cos, const bf16 *sin) {
+    int64_t half = dim / 2;
+#pragma omp parallel for schedule(static) if (rows >= 16)
+    for (int64_t t = 0; t < rows; ++t) {
+        const bf16 *c = cos + positions[t] * dim;
+        const bf16 *s = sin + positions[t] * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+            bf16 *v = x + t * row_stride + h * dim;
+            float lo[512], hi[512];  // dim <= 1024, checked by the caller
+#pragma omp simd
+            for (int64_t d = 0; d < half; ++d) {
+                float a = bf2f(v[d]), b = bf2f(v[d + half]);
+                lo[d] = round_bf(round_bf(a * bf2f(c[d])) + round_bf(b * bf2f(s[d])));
+                hi[d] = round_bf(round_bf(b * bf2f(c[d + half])) +
+                                 round_bf(a * bf2f(s[d + half])));
+            }
+#pragma omp simd
+            for (int64_t d = 0; d < half; ++d) {
+                v[d] = f2bf(lo[d]);
+                v[d + half] = f2bf(hi[d]);
+            }
+        }
+    }
+}
+
+/*
+ * Store rows of k and v ([rows, kv_heads, dim] at row strides k_stride, v_stride) into the
+ * caches ([kv_heads, num_blocks * block_size, dim]) at slots[t].
+ */
+void hp_write_kv(const bf16 *k, int64_t k_stride, const bf16 *v, int64_t v_stride, int64_t rows,
+                 int64_t kv_heads, int64_t dim, const int64_t *slots, bf16 *k_cache,
+                 bf16 *v_cache, int64_t slots_per_head) {
+    size_t bytes = (size_t)dim * sizeof(bf16);
+    for (int64_t t = 0; t < rows; ++t) {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            int64_t dst = (h * slots_per_head + slots[t]) * dim;
+            memcpy(k_cache + dst, k + t * k_stride + h * dim, bytes);
+            memcpy(v_cache + dst, v + t * v_stride + h * dim, bytes);
+        }
+    }
+}
+
+/*
+ * Decode attention over a paged cache: one query token per sequence.
+ *   q        [batch, q_heads, dim] at row stride q_stride (heads contiguous)
+ *   caches   [kv_heads, num_blocks, block_size, dim]
+ *   tables   [batch, table_width] block ids; seq_lens [batch] (>= 1)
+ *   out      [batch, q_heads, dim] contiguous
+ * Query head h reads KV head h / (q_heads / kv_heads). One task per (sequence, KV head):
+ * the group's query heads share every key and value read.
+ */
+void hp_paged_decode(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
+                     int64_t num_blocks, int64_t block_size, const int64_t *tables,
+                     int64_t table_width, const int64_t *seq_lens, bf16 *out, int64_t batch,
+                     int64_t q_heads, int64_t kv_heads, int64_t dim, float scale) {
+    int64_t group = q_heads / kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) if (batch * kv_heads > 1)
+    for (int64_t task = 0; task < batch * kv_heads; ++task) {
+        int64_t b = task / kv_heads, h = task % kv_heads;
+        int64_t len = seq_lens[b];
+        float *qf = malloc(sizeof(float) * (size_t)(group * dim * 2 + group * len));
+        float *acc = qf + group * dim;
+        float *scores = acc + group * dim;
+        for (int64_t g = 0; g < group; ++g) {
+            const bf16 *qh = q + b * q_stride + (h * group + g) * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) {
+                qf[g * dim + d] = bf2f(qh[d]) * scale;
+                acc[g * dim + d] = 0.0f;
+            }
+        }
+        const int64_t *table = tables + b * table_width;
+        const bf16 *kh = k_cache + h * num_blocks * block_size * dim;
+        const bf16 *vh = v_cache + h * num_blocks * block_size * dim;
+        for (int64_t s0 = 0; s0 < len; s0 += block_size) {
+            const bf16 *kb = kh + table[s0 / block_size] * block_size * dim;
+            int64_t n = len - s0 < block_size ? len - s0 : block_size;
+            for (int64_t i = 0; i < n; ++i) {
+                const bf16 *kr = kb + i * dim;
+                for (int64_t g = 0; g < group; ++g) {
+                    const float *qg = qf + g * dim;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < dim; ++d) dot += qg[d] * bf2f(kr[d]);
+                    scores[g * len + s0 + i] = dot;
+                }
+            }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+            float *sg = scores + g * len;
+            float m = -INFINITY;
+            for (int64_t s = 0; s < len; ++s) m = sg[s] > m ? sg[s] : m;
+            float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+            for (int64_t s = 0; s < len; ++s) {
+                sg[s] = exp_f32(sg[s] - m);
+                total += sg[s];
+            }
+            float inv = 1.0f / total;
+#pragma omp simd
+            for (int64_t s = 0; s < len; ++s) sg[s] *= inv;
+        }
+        for (int64_t s0 = 0; s0 < len; s0 += block_size) {
+            const bf16 *vb = vh + table[s0 / block_size] * block_size * dim;
+            int64_t n = len - s0 < block_size ? len - s0 : block_size;
+            for (int64_t i = 0; i < n; ++i) {
+                const bf16 *vr = vb + i * dim;
+                for (int64_t g = 0; g < group; ++g) {
+                    float p = scores[g * len + s0 + i];
+                    float *ag = acc + g * dim;
+#pragma omp simd
+                    for (int64_t d = 0; d < dim; ++d) ag[d] += p * bf2f(vr[d]);
+                }
+            }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+            bf16 *o = out + (b * q_heads + h * group + g) * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) o[d] = f2bf(acc[g * dim + d]);
+        }
+        free(qf);
+    }
+}

@@ -1,0 +1,299 @@
+"""Fused bfloat16 CPU kernels (``cpu_ops.c``), built on first use and called through ctypes.
+
+The C source is compiled once per machine with the system compiler (``$CC``, else ``cc``)
+for the host CPU (``-march=native``) into a cache folder keyed by the source, the flags and
+the CPU, then loaded with ctypes: a build takes about a second and later loads are instant.
+Plain C rather than a torch extension: no torch headers, so the build is fast and needs
+nothing but a C compiler. Where there is none, or the build fails, :func:`load` returns
+None (and logs why once) and callers keep the torch implementations, which compute the
+same functions.
+
+Each wrapper checks what the C code relies on (dtype, device, contiguity, shapes) and raises
+ValueError naming the argument; the checks are attribute reads, cheap next to a kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+MAX_HEAD_DIM = 1024  # hp_rope's stack buffers
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+_SIGNATURES: dict[str, tuple[type, ...]] = {
+    "hp_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
+    "hp_silu_mul": (_P, _P, _I, _I),
+    "hp_rope": (_P, _I, _I, _I, _I, _P, _P, _P),
+    "hp_write_kv": (_P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I),
+    "hp_paged_decode": (_P, _I, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _F),
+}
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: ``$HOTPOOL_KERNEL_CACHE``, else the user's cache folder."""
+    if env := os.environ.get("HOTPOOL_KERNEL_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hotpool" / "kernels"
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native depends on: the CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def build(directory: Path | None = None) -> Path:
+    """Compile ``cpu_ops.c`` unless a build for this source, compiler and CPU exists; returns
+    the library's path. Raises RuntimeError with the compiler's message when it fails."""
+    compiler = os.environ.get("CC", "cc")
+    parts = [SOURCE.read_bytes(), " ".join(FLAGS), compiler, _cpu_fingerprint()]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part if isinstance(part, bytes) else part.encode())
+        digest.update(b"\0")
+    key = digest.hexdigest()[:16]
+    directory = directory or cache_dir()
+    target = directory / f"cpu_ops-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent workers never load a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".build-", suffix=".so")
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    except FileNotFoundError as exc:
+        raise RuntimeError(f"no C compiler ({compiler}): {exc}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class CpuOps:
+    """The loaded library, one method per kernel. Tensors are bfloat16 on the CPU."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        for name, args in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = None
+        self._lib = lib
+
+    def add_rms_norm(
+        self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``residual += x`` in place (x may be None), returns ``rms_norm(residual) * weight``."""
+        _bf16(residual, "residual", 2)
+        rows, hidden = residual.shape
+        if x is not None:
+            _bf16(x, "x", 2)
+            _same(x, residual, "x", "residual")
+        _bf16(weight, "weight", 1)
+        if weight.shape[0] != hidden:
+            raise ValueError(f"weight has {weight.shape[0]} elements, rows have {hidden}")
+        out = torch.empty_like(residual)
+        self._lib.hp_add_rms_norm(
+            None if x is None else x.data_ptr(),
+            residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            hidden,
+            eps,
+        )
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[T, 2 I]`` -> ``[T, I]``."""
+        _bf16(gate_up, "gate_up", 2)
+        rows, width = gate_up.shape
+        if width % 2:
+            raise ValueError(f"gate_up has an odd width {width}")
+        out = gate_up.new_empty(rows, width // 2)
+        self._lib.hp_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+    def rope_(
+        self,
+        x: torch.Tensor,
+        heads: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """RoPE in place on heads ``[0, heads)`` of ``x`` ``[T, H, D]`` (rows may be strided,
+        heads contiguous), with :class:`RotaryEmbedding`'s bf16 ``cos`` and signed ``sin``
+        tables ``[max_positions, D]``."""
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 3:
+            raise ValueError(f"x must be a [T, H, D] bfloat16 CPU tensor, got {x.dtype} {x.shape}")
+        rows, n_heads, dim = x.shape
+        if x.stride(2) != 1 or x.stride(1) != dim:
+            raise ValueError(f"x heads must be contiguous, got strides {x.stride()}")
+        if not 0 < heads <= n_heads or dim % 2 or dim > MAX_HEAD_DIM:
+            raise ValueError(f"bad rope shape: heads={heads} of {n_heads}, head_dim={dim}")
+        for name, table in (("cos", cos), ("sin", sin)):
+            _bf16(table, name, 2)
+            if table.shape[1] != dim:
+                raise ValueError(f"{name} table is {tuple(table.shape)}, head_dim is {dim}")
+        _index(positions, "positions", rows)
+        self._lib.hp_rope(
+            x.data_ptr(),
+            rows,
+            x.stride(0),
+            heads,
+            dim,
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+        )
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store ``k``/``v`` ``[T, Hkv, D]`` (rows may be strided) at their cache slots."""
+        _cache_pair(k_cache, v_cache)
+        n_kv, num_blocks, block_size, dim = k_cache.shape
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != torch.bfloat16 or t.dim() != 3 or t.shape[1:] != (n_kv, dim):
+                raise ValueError(f"{name} must be [T, {n_kv}, {dim}] bfloat16, got {t.shape}")
+            if t.stride(2) != 1 or t.stride(1) != dim:
+                raise ValueError(f"{name} heads must be contiguous, got strides {t.stride()}")
+        _index(slot_mapping, "slot_mapping", k.shape[0])
+        self._lib.hp_write_kv(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            k.shape[0],
+            n_kv,
+            dim,
+            slot_mapping.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            num_blocks * block_size,
+        )
+
+    def paged_decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``paged_attention.paged_decode``'s function: ``q`` ``[B, Hq, D]`` (rows may be
+        strided) over ``seq_lens[b] >= 1`` cached tokens; writes ``out`` (contiguous) when
+        given. Block tables and lengths are trusted (the engine builds them)."""
+        _cache_pair(k_cache, v_cache)
+        n_kv, num_blocks, block_size, dim = k_cache.shape
+        if q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[2] != dim:
+            raise ValueError(f"q must be [B, Hq, {dim}] bfloat16, got {q.dtype} {q.shape}")
+        b, n_heads, _ = q.shape
+        if n_heads % n_kv or q.stride(2) != 1 or q.stride(1) != dim:
+            raise ValueError(f"q {tuple(q.shape)} strides {q.stride()} for {n_kv} KV heads")
+        if block_tables.dtype != torch.int64 or block_tables.dim() != 2:
+            raise ValueError(f"block_tables must be [B, W] int64, got {block_tables.dtype}")
+        if block_tables.shape[0] != b or not block_tables.is_contiguous():
+            raise ValueError(f"block_tables {tuple(block_tables.shape)} for {b} sequences")
+        _index(seq_lens, "seq_lens", b)
+        if out is None:
+            out = q.new_empty(q.shape)
+        elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
+        self._lib.hp_paged_decode(
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            num_blocks,
+            block_size,
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            b,
+            n_heads,
+            n_kv,
+            dim,
+            dim**-0.5,
+        )
+        return out
+
+
+def _bf16(t: torch.Tensor, name: str, dims: int) -> None:
+    if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.dim() != dims:
+        raise ValueError(f"{name} must be a {dims}-D bfloat16 CPU tensor, got {t.dtype} {t.shape}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, an: str, bn: str) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{an} {tuple(a.shape)} and {bn} {tuple(b.shape)} differ")
+
+
+def _index(t: torch.Tensor, name: str, n: int) -> None:
+    if t.dtype != torch.int64 or t.device.type != "cpu" or t.shape != (n,):
+        raise ValueError(f"{name} must be [{n}] int64 on the CPU, got {t.dtype} {t.shape}")
+    if n > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _bf16(c, name, 4)
+    _same(k_cache, v_cache, "k_cache", "v_cache")
+
+
+@cache
+def load() -> CpuOps | None:
+    """The kernels for this process, or None where they cannot run (logged once).
+
+    ``HOTPOOL_CPU_KERNELS=0`` turns them off (the torch implementations run instead).
+    """
+    if os.environ.get("HOTPOOL_CPU_KERNELS", "1") == "0":
+        return None
+    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        return None
+    try:
+        return CpuOps(build())
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        log.warning("CPU kernels unavailable, using torch ops: %s", exc)
+        return None

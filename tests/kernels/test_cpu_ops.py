@@ -1,0 +1,209 @@
+"""The fused C kernels (kernels/cpu_ops.c) against torch computations of the same functions.
+
+Element-wise kernels must round where HF's bfloat16 modules round: RoPE and the KV write
+are exact; RMSNorm and SiLU may differ by one bfloat16 step where a float32 sum or exp is
+computed in another order. Decode attention is compared with a float64 reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hotpool.kernels import cpu_ops
+from hotpool.kernels.paged_attention import paged_decode, write_kv
+
+BF16_STEP = 2**-7  # relative distance between neighbouring bfloat16 values (at most)
+
+
+@pytest.fixture(scope="module")
+def ops() -> cpu_ops.CpuOps:
+    kernels = cpu_ops.load()
+    if kernels is None:  # the suite runs where a C compiler exists (CI does)
+        pytest.fail("the CPU kernels did not build; see the warning logged by cpu_ops.load")
+    return kernels
+
+
+def _bf16(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+
+
+def _close_to_one_step(ours: torch.Tensor, ref: torch.Tensor, exact_share: float) -> None:
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=BF16_STEP, atol=1e-6)
+    share = (ours == ref).float().mean().item()
+    assert share >= exact_share, f"only {share:.3f} of elements are bit-identical"
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_add_rms_norm_is_hf_residual_add_then_rmsnorm(ops: cpu_ops.CpuOps, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = _bf16(rows, 576, gen=gen), _bf16(rows, 576, gen=gen, scale=3.0)
+    weight = _bf16(576, gen=gen)
+    expected_residual = residual + x
+    h = expected_residual.float()
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+    expected = weight * normed.to(torch.bfloat16)  # LlamaRMSNorm, in bfloat16
+
+    out = ops.add_rms_norm(x, residual, weight, 1e-5)
+
+    assert torch.equal(residual, expected_residual)  # updated in place, rounded like HF
+    _close_to_one_step(out, expected, exact_share=0.99)
+
+
+def test_rms_norm_without_an_add_leaves_the_residual(ops: cpu_ops.CpuOps) -> None:
+    gen = torch.Generator().manual_seed(0)
+    residual, weight = _bf16(3, 64, gen=gen), _bf16(64, gen=gen)
+    before = residual.clone()
+    out = ops.add_rms_norm(None, residual, weight, 1e-6)
+    assert torch.equal(residual, before)
+    ref = F.rms_norm(residual.float(), (64,), weight.float(), 1e-6)
+    torch.testing.assert_close(out.float(), ref, rtol=2 * BF16_STEP, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_silu_mul_is_hf_llama_mlp_activation(ops: cpu_ops.CpuOps, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = _bf16(rows, 2 * 1536, gen=gen, scale=4.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close_to_one_step(ops.silu_mul(gate_up), F.silu(gate) * up, exact_share=0.99)
+
+
+def test_silu_mul_saturates_cleanly_on_extreme_gates(ops: cpu_ops.CpuOps) -> None:
+    gate = torch.tensor([[-1e4, -100.0, 0.0, 100.0, 1e4]], dtype=torch.bfloat16)
+    out = ops.silu_mul(torch.cat([gate, torch.ones_like(gate)], dim=1))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), F.silu(gate.float()), rtol=BF16_STEP, atol=1e-6)
+
+
+def test_rope_matches_hf_rotate_half_in_bf16_and_leaves_v_alone(ops: cpu_ops.CpuOps) -> None:
+    gen = torch.Generator().manual_seed(0)
+    t, nq, nkv, d, max_pos = 9, 6, 2, 64, 300
+    qkv = _bf16(t, nq + 2 * nkv, d, gen=gen)
+    positions = torch.randint(0, max_pos, (t,), generator=gen)
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(torch.bfloat16)
+
+    x = qkv[:, : nq + nkv]
+    c, s = cos[positions, None], sin[positions, None]
+    rotated = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    expected = x * c + rotated * s  # HF's apply_rotary_pos_emb, each op rounded to bf16
+    v_before = qkv[:, nq + nkv :].clone()
+
+    ops.rope_(qkv, nq + nkv, positions, cos, signed_sin)
+
+    assert torch.equal(qkv[:, : nq + nkv], expected)
+    assert torch.equal(qkv[:, nq + nkv :], v_before)
+
+
+def test_write_kv_stores_what_the_torch_path_stores(ops: cpu_ops.CpuOps) -> None:
+    gen = torch.Generator().manual_seed(0)
+    n_kv, nb, bs, d, t = 3, 10, 16, 64, 7
+    qkv = _bf16(t, 5 + 2 * n_kv, d, gen=gen)  # k and v as strided views, as in the model
+    k, v = qkv[:, 5 : 5 + n_kv], qkv[:, 5 + n_kv :]
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    ours = [torch.zeros(n_kv, nb, bs, d, dtype=torch.bfloat16) for _ in range(2)]
+    ref = [torch.zeros_like(ours[0]) for _ in range(2)]
+    ops.write_kv(ours[0], ours[1], k, v, slots)
+    write_kv(ref[0], ref[1], k, v, slots)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+
+
+def _paged_case(
+    lens: list[int], n_heads: int, n_kv: int, block_size: int, gen: torch.Generator
+) -> tuple[torch.Tensor, ...]:
+    d = 64
+    width = max(-(-n // block_size) for n in lens)
+    nb = width * len(lens) + 3
+    k_cache, v_cache = (
+        _bf16(n_kv, nb, block_size, d, gen=gen),
+        _bf16(n_kv, nb, block_size, d, gen=gen),
+    )
+    perm = torch.randperm(nb, generator=gen)
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(lens):
+        blocks = -(-n // block_size)
+        tables[i, :blocks] = perm[used : used + blocks]
+        used += blocks
+    q = _bf16(len(lens), n_heads, d, gen=gen, scale=2.0)
+    return q, k_cache, v_cache, tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_paged_decode_matches_the_torch_path(
+    ops: cpu_ops.CpuOps, group: int, block_size: int
+) -> None:
+    gen = torch.Generator().manual_seed(group * 100 + block_size)
+    lens = [1, 17, 33, 100, 7]  # a single token, partial last blocks, odd lengths
+    q, k_cache, v_cache, tables, seq_lens = _paged_case(lens, 2 * group, 2, block_size, gen)
+    ours = ops.paged_decode(q, k_cache, v_cache, tables, seq_lens)
+    ref = paged_decode(
+        q.double(), k_cache.double(), v_cache.double(), tables, seq_lens
+    )  # float64: the exact function
+    torch.testing.assert_close(ours.double(), ref, rtol=2 * BF16_STEP, atol=2e-3)
+
+
+def test_paged_decode_reads_strided_queries_and_fills_out(ops: cpu_ops.CpuOps) -> None:
+    gen = torch.Generator().manual_seed(7)
+    q, k_cache, v_cache, tables, seq_lens = _paged_case([20, 3], 6, 2, 16, gen)
+    qkv = torch.cat([q, _bf16(2, 4, 64, gen=gen)], dim=1)  # q as a view into a wider row
+    out = torch.empty_like(q)
+    result = ops.paged_decode(qkv[:, :6], k_cache, v_cache, tables, seq_lens, out=out)
+    assert result is out
+    assert torch.equal(out, ops.paged_decode(q, k_cache, v_cache, tables, seq_lens))
+
+
+def test_wrappers_reject_what_the_kernels_cannot_read(ops: cpu_ops.CpuOps) -> None:
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        ops.add_rms_norm(None, x.float(), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="weight has 4"):
+        ops.add_rms_norm(None, x, torch.ones(4, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.silu_mul(torch.zeros(8, 4, dtype=torch.bfloat16).t())
+    with pytest.raises(ValueError, match="odd width"):
+        ops.silu_mul(torch.zeros(2, 7, dtype=torch.bfloat16))
+    cache = torch.zeros(2, 4, 16, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="seq_lens"):
+        ops.paged_decode(
+            torch.zeros(1, 4, 8, dtype=torch.bfloat16), cache, cache,
+            torch.zeros(1, 1, dtype=torch.long), torch.tensor([1], dtype=torch.int32),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="KV heads"):
+        ops.paged_decode(
+            torch.zeros(1, 3, 8, dtype=torch.bfloat16), cache, cache,
+            torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]),
+        )  # fmt: skip
+
+
+def test_build_is_cached_and_reports_a_missing_compiler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = cpu_ops.build(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert cpu_ops.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert not list(tmp_path.glob(".build-*"))  # no temporary left behind
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        cpu_ops.build(tmp_path / "other")
+    monkeypatch.setenv("HOTPOOL_KERNEL_CACHE", str(tmp_path / "other"))
+    cpu_ops.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cpu_ops.load() is None
+        assert "using torch ops" in caplog.text
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv("HOTPOOL_CPU_KERNELS", "0")
+        cpu_ops.load.cache_clear()
+        assert cpu_ops.load() is None  # turned off
+    finally:
+        cpu_ops.load.cache_clear()

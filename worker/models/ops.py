@@ -1,0 +1,83 @@
+"""The element-wise steps of a decoder layer, behind one interface with two implementations.
+
+:class:`TorchOps` composes torch ops and runs on any device and dtype (the reference).
+:class:`NativeOps` calls the fused C kernels of ``hotpool.kernels.cpu_ops``: one pass per
+step where torch needs several (RMSNorm alone is eight aten ops on bfloat16), which is most
+of a small model's decode time on the CPU. :func:`ops_for` picks NativeOps for bfloat16 on
+the CPU when the kernels build, TorchOps otherwise. Both compute HF transformers' functions;
+NativeOps rounds to bfloat16 wherever HF's bfloat16 modules do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hotpool.kernels import cpu_ops
+from hotpool.worker.models.rope import RotaryEmbedding, apply_rope
+
+# What a step's RoPE needs, prepared once per forward pass and shared by every layer.
+RopeInputs = tuple[Any, ...]
+
+
+class TorchOps:
+    name = "torch"
+
+    def add_rms_norm(
+        self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``residual += x`` in place (unless x is None); returns RMSNorm(residual) * weight."""
+        if x is not None:
+            residual.add_(x)
+        # One fused op (it accumulates in fp32 for bf16/fp16 inputs) instead of six.
+        return F.rms_norm(residual, weight.shape, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_inputs(
+        self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RopeInputs:
+        return rope(positions, dtype)
+
+    def rope_(self, x: torch.Tensor, heads: int, inputs: RopeInputs) -> None:
+        """RoPE in place on heads ``[0, heads)`` of ``x`` ``[T, H, D]``."""
+        cos, sin = inputs
+        x[:, :heads] = apply_rope(x[:, :heads], cos, sin)
+
+
+class NativeOps(TorchOps):
+    name = "native"
+
+    def __init__(self, kernels: cpu_ops.CpuOps) -> None:
+        self.kernels = kernels
+
+    def add_rms_norm(
+        self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self.kernels.add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up)
+
+    def rope_inputs(
+        self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RopeInputs:
+        cos, sin = rope.tables(dtype)
+        return positions, cos, sin
+
+    def rope_(self, x: torch.Tensor, heads: int, inputs: RopeInputs) -> None:
+        positions, cos, sin = inputs
+        self.kernels.rope_(x, heads, positions, cos, sin)
+
+
+def ops_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> TorchOps:
+    """The fastest implementation that runs ``dtype`` on ``device``."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and head_dim <= cpu_ops.MAX_HEAD_DIM:
+        kernels = cpu_ops.load()
+        if kernels is not None:
+            return NativeOps(kernels)
+    return TorchOps()
