@@ -23,6 +23,7 @@ import torch
 from hotpool.worker.engine.base import EngineRequest
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
 from hotpool.worker.models.loader import DTYPES, load_model
+from hotpool.worker.models.ops import ops_for
 from hotpool.worker.protocol import SamplingParams
 from hotpool.worker.snapshot.pull import pull_smollm2
 
@@ -56,9 +57,15 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 
 
 def bench_hotpool(
-    model_dir: Path, dtype: torch.dtype, reqs: list[list[int]], concurrency: int, budget: int
+    model_dir: Path,
+    dtype: torch.dtype,
+    reqs: list[list[int]],
+    concurrency: int,
+    budget: int,
+    native: bool = True,
 ) -> Result:
     model = load_model(model_dir, torch.device("cpu"), dtype)
+    model.native_ops = native
     config = EngineConfig(max_num_seqs=concurrency, max_num_batched_tokens=budget)
     engine = LLMEngine(model, torch.device("cpu"), config)
     params = SamplingParams(
@@ -154,6 +161,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument(
+        "--torch-ops", action="store_true", help="torch ops instead of the fused C kernels"
+    )
+    ap.add_argument(
         "--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens
     )
     args = ap.parse_args()
@@ -161,7 +171,8 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     model_dir = snapshot(args.dtype)
     gb, gbps, bound = bandwidth_limit(model_dir, dtype)
-    print(f"SmolLM2-135M {args.dtype}, {args.threads} threads; weights {gb:.3f} GB, "
+    ops = "torch" if args.torch_ops else ops_for(torch.device("cpu"), dtype, 64).name
+    print(f"SmolLM2-135M {args.dtype}, {args.threads} threads, {ops} ops; weights {gb:.3f} GB, "
           f"copy {gbps:.1f} GB/s -> single-stream bound {bound:.1f} tok/s", flush=True)  # fmt: skip
     header = f"{'conc':>4} {'reqs':>4} | {'hotpool tok/s':>13} {'TTFT s':>7} {'TPOT ms':>8} | "
     header += f"{'HF tok/s':>8} {'TTFT s':>7} {'TPOT ms':>8} | {'ratio':>5}"
@@ -172,7 +183,9 @@ def main() -> None:
         # is reached after a few requests.
         n = min(args.requests, max(args.min_requests, 2 * c))
         reqs = prompts(n, 49152)
-        ours = bench_hotpool(model_dir, dtype, reqs, c, args.max_num_batched_tokens)
+        ours = bench_hotpool(
+            model_dir, dtype, reqs, c, args.max_num_batched_tokens, not args.torch_ops
+        )
         line = f"{c:>4} {n:>4} | {ours.tokens_per_s:>13.1f} {ours.ttft_s:>7.2f} "
         line += f"{ours.tpot_s * 1e3:>8.1f} | "
         if args.skip_hf:

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -83,6 +83,7 @@ class WorkerPool:
 
     async def scale_up(self, spec: DeploymentSpec, reason: str = "request") -> Replica:
         """Start a replica of ``spec``; returns at once, in state COLD (await ``ready``)."""
+        requested = time.monotonic()
         if len(self._replicas) >= self.max_workers:
             await self._evict_one()
         before = len(self.replicas(spec.name))
@@ -92,7 +93,7 @@ class WorkerPool:
         )
         self._replicas[replica.id] = replica
         self.on_scale(ScaleEvent(spec.name, before, before + 1, reason))
-        self._spawn(self._cold_start(replica, spec))
+        self._spawn(self._cold_start(replica, spec, requested))
         return replica
 
     def release_soon(self, replica: Replica, reason: str) -> None:
@@ -139,15 +140,21 @@ class WorkerPool:
         victim = min(idle, key=lambda r: r.last_used)  # least recently used
         await self.release(victim, "evicted for another deployment")
 
-    async def _cold_start(self, replica: Replica, spec: DeploymentSpec) -> None:
+    async def _cold_start(self, replica: Replica, spec: DeploymentSpec, requested: float) -> None:
+        """Start a worker, wait for it to register, load the snapshot. Phases (seconds):
+        ``queue`` (waiting for a worker slot), ``start`` (process start to registration),
+        then the worker's ``fetch``, ``load`` and ``warmup``."""
         t0 = time.monotonic()
         try:
             self.registry.expect(replica.handle.worker_id)
             replica.handle = await self.backend.start(replica.handle.worker_id)
             replica.worker = await self._wait_registered(replica.handle, t0)
+            t1 = time.monotonic()
             replica.state = ReplicaState.LOADING
-            replica.load = await self._load(replica.worker, spec)
-            replica.cold_start_seconds = time.monotonic() - t0
+            load = await self._load(replica.worker, spec)
+            phases = {"queue": t0 - requested, "start": t1 - t0, **load.phases}
+            replica.load = replace(load, phases=phases)
+            replica.cold_start_seconds = time.monotonic() - requested
             replica.last_used = time.monotonic()
             replica.state = ReplicaState.READY
             self.on_ready(replica)

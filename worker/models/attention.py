@@ -9,10 +9,12 @@ reference that tests compare against.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -120,8 +122,8 @@ class PagedKVCache:
         device: torch.device,
     ) -> None:
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -130,6 +132,18 @@ class PagedKVCache:
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros without touching the memory on the CPU: numpy's ``calloc`` gets pages the kernel
+    zeroes on first use, so a 1 GiB cache costs under a millisecond instead of the 0.3 s
+    ``torch.zeros`` spends writing it during a cold start. (Zeros, not garbage: the torch
+    decode path reads padding blocks, masked, and NaN * 0 would still be NaN.)"""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    raw = torch.from_numpy(np.zeros(count * dtype.itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
 
 
 @dataclass(frozen=True)

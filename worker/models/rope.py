@@ -104,6 +104,10 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.tables(dtype)
         return cos[positions, None, :], sin[positions, None, :]
 
+    def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:
+        self._cast.clear()  # moved or cast: the cached tables belong to the old device
+        return super()._apply(fn, recurse)
+
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cos and signed sin tables ``[max_positions, D]`` in ``dtype``."""
         tables = self._cast.get(dtype)
