@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 T = TypeVar("T")
 
@@ -47,6 +48,9 @@ class Settings:
     kv_cache_bytes: int = 1 << 30  # per worker
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    snapshot_cache_bytes: int = 20 << 30  # per worker cache dir; LRU eviction above it
+    host_cache_bytes: int = 4 << 30  # per worker: unloaded models kept in RAM (0 = off)
+    s3_endpoint_url: str | None = None  # None: AWS S3 itself (MinIO, R2: their URL)
     worker_token: str | None = field(default=None, repr=False)
 
     @property
@@ -114,7 +118,34 @@ def _store_url(raw: str) -> str:
         return raw.rstrip("/")
     if raw.startswith("/"):
         return "file://" + raw.rstrip("/")
-    raise ValueError("must be a file:// URL or an absolute path (s3:// arrives with issue 5)")
+    raise ValueError(
+        "must be a file:// URL or an absolute path (deployments name s3:// snapshots by URI)"
+    )
+
+
+def _endpoint_url(raw: str) -> str:
+    value = raw.strip().rstrip("/")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError("must be an http:// or https:// URL such as http://127.0.0.1:9000")
+    return value
+
+
+S3_ENDPOINT_VARS = ("HOTPOOL_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+def s3_endpoint_url(env: Mapping[str, str] | None = None) -> str | None:
+    """The S3 endpoint to use: ``HOTPOOL_S3_ENDPOINT_URL``, else the AWS SDKs' own
+    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, else None (AWS S3 itself).
+
+    Public so the worker's object store resolves the endpoint exactly as start-up validated it.
+    """
+    env = os.environ if env is None else env
+    for name in S3_ENDPOINT_VARS:
+        value = _parse(env, name, None, _endpoint_url)
+        if value is not None:
+            return value
+    return None
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
@@ -142,5 +173,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         kv_cache_bytes=_parse(env, "HOTPOOL_KV_CACHE_BYTES", 1 << 30, _byte_size),
         max_num_seqs=_parse(env, "HOTPOOL_MAX_NUM_SEQS", 64, _positive_int),
         max_num_batched_tokens=_parse(env, "HOTPOOL_MAX_NUM_BATCHED_TOKENS", 2048, _positive_int),
+        snapshot_cache_bytes=_parse(env, "HOTPOOL_SNAPSHOT_CACHE_BYTES", 20 << 30, _byte_size),
+        host_cache_bytes=_parse(env, "HOTPOOL_HOST_CACHE_BYTES", 4 << 30, _byte_size),
+        s3_endpoint_url=s3_endpoint_url(env),
         worker_token=env.get("HOTPOOL_WORKER_TOKEN") or None,
     )

@@ -9,6 +9,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +88,59 @@ def hf_smollm2_model(smollm2_gguf: Path) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
     ).eval()
+
+
+@dataclass(frozen=True)
+class S3Bucket:
+    """An empty bucket on the loopback S3 server; boto3 in this test reaches it by default."""
+
+    endpoint_url: str
+    name: str
+
+    def uri(self, path: str = "") -> str:
+        return f"s3://{self.name}/{path}".rstrip("/")
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A real S3-compatible HTTP server (moto) on 127.0.0.1 and a free port, for the session."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+_AWS_VARS = (
+    "AWS_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
+    """A fresh bucket, dummy credentials in the environment and HOTPOOL_S3_ENDPOINT_URL set,
+    so ``open_snapshot_uri("s3://...")`` talks to the loopback server."""
+    import boto3
+
+    for name in _AWS_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("HOTPOOL_S3_ENDPOINT_URL", s3_endpoint)
+    name = f"hotpool-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
+    return S3Bucket(s3_endpoint, name)

@@ -21,6 +21,7 @@ import torch
 import uvicorn
 
 from hotpool.worker.engine.llm_engine import EngineConfig
+from hotpool.worker.host_cache import HostModelCache
 from hotpool.worker.protocol import WorkerInfo
 from hotpool.worker.server import build_worker_app
 from hotpool.worker.service import WorkerService, pick_device
@@ -42,6 +43,8 @@ class WorkerOptions:
     port: int = 0
     parent_pid: int | None = None
     log_level: str = "info"
+    snapshot_cache_bytes: int | None = None  # None: no limit
+    host_cache_bytes: int = 0  # unloaded models kept in RAM
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -59,7 +62,12 @@ async def _main(opts: WorkerOptions) -> None:
     device = pick_device(opts.device)
     if device.type == "cuda":
         torch.cuda.init()
-    service = WorkerService(SnapshotCache(opts.cache_dir), device, opts.engine)
+    service = WorkerService(
+        SnapshotCache(opts.cache_dir, max_bytes=opts.snapshot_cache_bytes),
+        device,
+        opts.engine,
+        HostModelCache(opts.host_cache_bytes),
+    )
     app = build_worker_app(service, opts.token, opts.worker_id)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -142,12 +142,17 @@ class LoadRequest:
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What a cold start did; ``phases`` are seconds per phase (fetch, load, warmup)."""
+    """What a cold start did; ``phases`` are seconds per phase (fetch, load, warmup).
+
+    ``tier`` is where the weights came from: ``remote`` (the object store), ``disk`` (the
+    worker's snapshot cache) or ``host`` (still in RAM from an earlier unload).
+    """
 
     deployment: str
     digest: str
     cache_hit: bool
     phases: dict[str, float] = field(default_factory=dict)
+    tier: str = "remote"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

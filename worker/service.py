@@ -2,7 +2,8 @@
 
 A worker holds at most one loaded deployment (it is then a replica of it). Loading is a
 timed cold start: fetch the snapshot into the local cache (skipped on a hit), load weights,
-warm up with one short forward pass.
+warm up with one short forward pass. A model the worker unloads stays in host memory
+(:class:`HostModelCache`, within a budget), so loading it again skips fetch and load.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from hotpool.worker.detokenizer import IncrementalDetokenizer
 from hotpool.worker.engine.async_engine import AsyncEngine
 from hotpool.worker.engine.base import EngineRequest, RequestRejected
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
+from hotpool.worker.host_cache import HostKey, HostModelCache
+from hotpool.worker.models.llama import LlamaModel
 from hotpool.worker.models.loader import DTYPES, load_model
 from hotpool.worker.protocol import (
     GenerateEvent,
@@ -41,6 +44,9 @@ class LoadedModel:
     digest: str
     tokenizer: TextTokenizer
     engine: AsyncEngine
+    model: LlamaModel
+    host_key: HostKey
+    pinned: bool  # holds a pin on its snapshot in the disk cache
 
 
 def pick_device(setting: str) -> torch.device:
@@ -58,11 +64,16 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 class WorkerService:
     def __init__(
-        self, cache: SnapshotCache, device: torch.device, engine_config: EngineConfig | None = None
+        self,
+        cache: SnapshotCache,
+        device: torch.device,
+        engine_config: EngineConfig | None = None,
+        host_cache: HostModelCache | None = None,
     ) -> None:
         self.cache = cache
         self.device = device
         self.engine_config = engine_config or EngineConfig()
+        self.host_cache = host_cache or HostModelCache(0)
         self.loaded: LoadedModel | None = None
         self._lock = asyncio.Lock()
 
@@ -75,20 +86,42 @@ class WorkerService:
             return result
 
     def _load_blocking(self, req: LoadRequest) -> tuple[LoadResult, LoadedModel]:
-        snap = self.cache.fetch(req.snapshot_uri)
         t0 = time.perf_counter()
         dtype = DTYPES[req.dtype] if req.dtype else default_dtype(self.device)
-        model = load_model(snap.path, self.device, dtype)
-        tokenizer = TextTokenizer(snap.path)
+        manifest = self.cache.manifest(req.snapshot_uri)  # one small read: is it still current?
+        key = HostKey(manifest.digest, str(dtype).removeprefix("torch."))
+        held = self.host_cache.take(key, self.device)
         t1 = time.perf_counter()
-        # The salt keeps prefix-cache hits within one deployment's snapshot.
-        config = replace(self.engine_config, prefix_cache_salt=snap.manifest.digest.encode())
-        engine = LLMEngine(model, self.device, config)
-        _warm_up(engine)
-        t2 = time.perf_counter()
-        phases = {"fetch": snap.fetch_seconds, "load": t1 - t0, "warmup": t2 - t1}
-        loaded = LoadedModel(req.deployment, snap.manifest.digest, tokenizer, AsyncEngine(engine))
-        return LoadResult(req.deployment, snap.manifest.digest, snap.cache_hit, phases), loaded
+        pinned = held is None
+        if held is not None:
+            model, tokenizer, tier = held.model, held.tokenizer, "host"
+            phases = {"fetch": t1 - t0, "load": 0.0}
+        else:
+            # Pinned while loaded: the LRU eviction never deletes files a model was read from.
+            snap = self.cache.fetch(req.snapshot_uri, pin=True)
+            manifest, key = snap.manifest, replace(key, digest=snap.manifest.digest)
+            t1 = time.perf_counter()
+        try:
+            if held is None:
+                model = load_model(snap.path, self.device, dtype)
+                tokenizer = TextTokenizer(snap.path)
+                tier = "disk" if snap.cache_hit else "remote"
+                phases = {"fetch": t1 - t0, "load": time.perf_counter() - t1}
+            t2 = time.perf_counter()
+            # The salt keeps prefix-cache hits within one deployment's snapshot.
+            config = replace(self.engine_config, prefix_cache_salt=manifest.digest.encode())
+            engine = LLMEngine(model, self.device, config)
+            _warm_up(engine)
+            phases["warmup"] = time.perf_counter() - t2
+        except BaseException:
+            if pinned:
+                self.cache.unpin(manifest.digest)
+            raise
+        loaded = LoadedModel(
+            req.deployment, manifest.digest, tokenizer, AsyncEngine(engine), model, key, pinned
+        )
+        result = LoadResult(req.deployment, manifest.digest, tier != "remote", phases, tier)
+        return result, loaded
 
     async def unload(self) -> None:
         async with self._lock:
@@ -96,8 +129,14 @@ class WorkerService:
 
     async def _unload_locked(self) -> None:
         if self.loaded is not None:
-            engine, self.loaded = self.loaded.engine, None
-            await asyncio.to_thread(engine.shutdown)
+            loaded, self.loaded = self.loaded, None
+            await asyncio.to_thread(loaded.engine.shutdown)
+            if loaded.pinned:
+                self.cache.unpin(loaded.digest)
+            # Keep the weights in RAM (within budget): loading them again costs nothing.
+            await asyncio.to_thread(
+                self.host_cache.put, loaded.host_key, loaded.model, loaded.tokenizer
+            )
 
     def abort(self, request_id: str) -> bool:
         return self.loaded is not None and self.loaded.engine.abort(request_id)

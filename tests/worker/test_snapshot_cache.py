@@ -2,15 +2,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
 
 from hotpool.worker.snapshot import store as store_module
-from hotpool.worker.snapshot.cache import SnapshotCache
+from hotpool.worker.snapshot.cache import LOCKS_DIR, SnapshotCache
 from hotpool.worker.snapshot.errors import ObjectNotFoundError, SnapshotError
 from hotpool.worker.snapshot.manifest import MANIFEST_NAME, build_manifest, write_manifest
+from hotpool.worker.snapshot.s3 import S3ObjectStore
 from hotpool.worker.snapshot.store import (
     FileObjectStore,
     ObjectStore,
@@ -50,9 +51,19 @@ class CountingStore(ObjectStore):
     def exists(self, key: str) -> bool:
         return self.inner.exists(key)
 
+    def delete(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        self.calls.extend(("delete", key) for key in keys)
+        self.inner.delete(keys)
+
     def delete_prefix(self, prefix: str) -> None:
         self.calls.append(("delete_prefix", prefix))
         self.inner.delete_prefix(prefix)
+
+
+def cache_entries(root: Path) -> list[str]:
+    """What the cache folder holds besides its lock files."""
+    return sorted(p.name for p in root.iterdir() if p.name != LOCKS_DIR)
 
 
 def make_local_snapshot(folder: Path, weights: bytes = b"w" * 5000) -> Path:
@@ -104,8 +115,12 @@ def test_snapshot_uris(tmp_path: Path) -> None:
     store, prefix = open_snapshot_uri(f"file://{tmp_path}/snap/")
     assert isinstance(store, FileObjectStore) and store.root == tmp_path / "snap"
     assert prefix == ""
-    with pytest.raises(SnapshotError, match="issue 5"):
-        open_snapshot_uri("s3://bucket/snapshots/x")
+    s3, prefix = open_snapshot_uri("s3://bucket/snapshots/x/")
+    assert isinstance(s3, S3ObjectStore) and s3.bucket == "bucket"
+    assert prefix == "snapshots/x/"
+    assert open_snapshot_uri("s3://bucket")[1] == ""
+    with pytest.raises(SnapshotError, match="s3://bucket/prefix"):
+        open_snapshot_uri("s3:///snapshots/x")
     with pytest.raises(SnapshotError, match="three slashes"):
         open_snapshot_uri("file://relative/path")
     with pytest.raises(SnapshotError, match="unsupported"):
@@ -143,7 +158,7 @@ def test_second_fetch_is_a_cache_hit(tmp_path: Path, pushed: str) -> None:
     assert (first.path / "model.safetensors").read_bytes() == b"w" * 5000
     assert (first.path / MANIFEST_NAME).is_file()
     assert first.fetch_seconds > 0 and second.fetch_seconds > 0
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.manifest.digest]
+    assert cache_entries(tmp_path / "cache") == [first.manifest.digest]
 
 
 def test_a_new_cache_instance_reuses_installed_snapshots(tmp_path: Path, pushed: str) -> None:
@@ -171,7 +186,7 @@ def test_corrupted_store_file_fails_and_leaves_no_valid_looking_folder(
         cache.fetch(pushed)
 
     assert "model.safetensors" in str(info.value)
-    assert list((tmp_path / "cache").iterdir()) == []  # no digest folder, no temp folder
+    assert cache_entries(tmp_path / "cache") == []  # no digest folder, no temp folder
 
 
 def test_fetch_without_manifest_names_the_uri(tmp_path: Path) -> None:
@@ -199,19 +214,11 @@ def test_concurrent_fetches_download_each_file_once(tmp_path: Path, pushed: str)
     assert len({r.path for r in results}) == 1
 
 
-def test_racing_processes_install_one_copy(tmp_path: Path, pushed: str) -> None:
-    """Two caches over one folder (as two worker processes would be) do not share a lock;
-    the atomic rename picks one winner and the loser discards its copy."""
-    barrier = threading.Barrier(2)
-
-    class SyncedStore(CountingStore):
-        def download(self, key, dest, chunk_cb=None):  # type: ignore[no-untyped-def]
-            if key == "model.safetensors":
-                barrier.wait(timeout=5)  # both are mid-download before either installs
-            super().download(key, dest, chunk_cb)
-
+def test_racing_processes_download_once_and_install_one_copy(tmp_path: Path, pushed: str) -> None:
+    """Two caches over one folder (as two worker processes sharing a disk would be) share no
+    thread lock; the digest's lock file makes the second wait and then hit."""
     inner = open_snapshot_uri(pushed)[0]
-    stores = [SyncedStore(inner), SyncedStore(inner)]
+    stores = [CountingStore(inner, delay_s=0.05), CountingStore(inner, delay_s=0.05)]
     caches = [
         SnapshotCache(tmp_path / "cache", open_store=lambda uri, s=s: (s, "")) for s in stores
     ]
@@ -224,5 +231,23 @@ def test_racing_processes_install_one_copy(tmp_path: Path, pushed: str) -> None:
 
     assert len(results) == 2
     assert results[0].path == results[1].path
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [results[0].manifest.digest]
+    assert sorted(r.cache_hit for r in results) == [False, True]
+    assert len(stores[0].downloads) + len(stores[1].downloads) == 3  # each file once in all
+    assert cache_entries(tmp_path / "cache") == [results[0].manifest.digest]
     assert (results[0].path / "model.safetensors").read_bytes() == b"w" * 5000
+
+
+def test_manifest_reads_the_store_without_downloading(tmp_path: Path, pushed: str) -> None:
+    cache = SnapshotCache(tmp_path / "cache")
+    manifest = cache.manifest(pushed)
+    assert manifest == cache.fetch(pushed).manifest
+    assert [p.name for p in (tmp_path / "cache").iterdir()].count(manifest.digest) == 1
+    with pytest.raises(SnapshotError, match="no snapshot at"):
+        SnapshotCache(tmp_path / "cache").manifest(f"file://{tmp_path}/nothing-here")
+
+
+def test_file_store_delete_leaves_no_empty_folders(tmp_path: Path, pushed: str) -> None:
+    store, _ = open_snapshot_uri(pushed)
+    store.delete_prefix("")
+    assert not (tmp_path / "objects" / "snapshots" / "tiny").exists()
+    assert (tmp_path / "objects" / "snapshots").is_dir()  # above the store's root: untouched

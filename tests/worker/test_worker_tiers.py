@@ -1,0 +1,67 @@
+"""Where a load's weights come from: the object store, the disk cache, or host memory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from hotpool.worker.engine.llm_engine import EngineConfig
+from hotpool.worker.host_cache import HostModelCache
+from hotpool.worker.models.loader import ModelLoadError
+from hotpool.worker.protocol import GenerateRequest, LoadRequest, SamplingParams
+from hotpool.worker.service import WorkerService
+from hotpool.worker.snapshot.cache import SnapshotCache
+from hotpool.worker.snapshot.manifest import build_manifest, write_manifest
+
+
+async def _answer(service: WorkerService) -> str:
+    req = GenerateRequest("t", SamplingParams(max_tokens=6, temperature=0.0), prompt="Paris is")
+    return "".join([e.text async for e in service.generate(req)])
+
+
+@pytest.mark.slow
+def test_reload_comes_from_host_memory_then_disk_with_the_same_output(
+    tmp_path: Path, smollm2_snapshot_bf16: Path
+) -> None:
+    cache = SnapshotCache(tmp_path / "cache")
+    service = WorkerService(
+        cache, torch.device("cpu"), EngineConfig(kv_cache_bytes=32 << 20), HostModelCache(1 << 30)
+    )
+    req = LoadRequest("d", f"file://{smollm2_snapshot_bf16}")
+
+    async def scenario() -> list[tuple[str, dict[str, float], str]]:
+        seen = []
+        for forget_host in (False, False, True):
+            if forget_host:
+                service.host_cache = HostModelCache(1 << 30)
+            result = await service.load(req)
+            assert cache.is_pinned(result.digest) == (result.tier != "host")
+            seen.append((result.tier, result.phases, await _answer(service)))
+            await service.unload()
+            assert not cache.is_pinned(result.digest)  # unloading releases the disk copy
+        return seen
+
+    (first, second, third) = asyncio.run(scenario())
+    assert [first[0], second[0], third[0]] == ["remote", "host", "disk"]
+    assert second[1]["load"] == 0.0  # no weights read: they were still in RAM
+    assert first[2] == second[2] == third[2] and first[2].strip()
+
+
+def test_a_failed_load_leaves_nothing_pinned(tmp_path: Path, smollm2_snapshot_bf16: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(smollm2_snapshot_bf16, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    write_manifest(bad, build_manifest(bad, architecture="gpt2", dtype="bf16"))
+    cache = SnapshotCache(tmp_path / "cache")
+    service = WorkerService(cache, torch.device("cpu"), EngineConfig(kv_cache_bytes=32 << 20))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
+        asyncio.run(service.load(LoadRequest("d", f"file://{bad}")))
+    assert service.loaded is None
+    (entry,) = cache.entries()  # fetched and verified, then refused by the loader
+    assert not cache.is_pinned(entry.digest)
