@@ -160,6 +160,11 @@ class WorkerService:
         n_prompt, n_out = len(ereq.prompt_token_ids), 0
         try:
             async for out in loaded.engine.generate(ereq):
+                if out.finish_reason == "error":
+                    text = detok.flush()
+                    usage = Usage(n_prompt, n_out, out.num_cached_tokens)
+                    yield GenerateEvent(text, (), "error", usage, out.error)
+                    return
                 n_out += len(out.new_token_ids)
                 text = detok.push(out.new_token_ids)
                 reason = "stop" if detok.stopped else out.finish_reason

@@ -157,6 +157,32 @@ def test_abort_mid_generation_returns_every_block() -> None:
     assert engine.kv_manager.usage == 0.0
 
 
+def test_nan_logits_fail_that_request_alone_with_a_clear_error() -> None:
+    clean = _drain(_engine(), {0: [_req("a", PROMPTS[0], max_tokens=8)]})
+    engine = _engine()
+    logits = engine.runner.model.logits
+    step = {"n": 0}
+
+    def faulty(hidden: torch.Tensor) -> torch.Tensor:
+        out = logits(hidden)
+        step["n"] += 1
+        if step["n"] == 4:  # a numerical fault in one row, mid-generation
+            out[1] = float("nan")
+        return out
+
+    engine.runner.model.logits = faulty  # type: ignore[method-assign]
+    outs = _drain(engine, {0: [_req("a", PROMPTS[0], max_tokens=8), _req("b", PROMPTS[1])]})
+    failed = [rid for rid, o in outs.items() if o[-1].finish_reason == "error"]
+    assert len(failed) == 1
+    last = outs[failed[0]][-1]
+    assert last.new_token_ids == () and "NaN" in (last.error or "")
+    (ok,) = set(outs) - set(failed)
+    assert outs[ok][-1].finish_reason == "length"
+    if ok == "a":
+        assert _tokens(outs["a"]) == _tokens(clean["a"])  # the other row is untouched
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
 def test_same_seed_same_tokens_alone_and_in_a_crowd() -> None:
     target = _req(
         "seeded", [4, 8, 15, 16, 23, 42], max_tokens=16, temperature=1.0, top_p=0.9, seed=1234

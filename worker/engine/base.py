@@ -45,6 +45,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     logprobs: tuple[SampledToken, ...] = ()  # one per new token when the request asked
+    error: str | None = None  # why, when finish_reason is "error"
 
     @property
     def finished(self) -> bool:

@@ -135,14 +135,29 @@ class LLMEngine(Engine):
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        sampled = self.runner.execute(plan)
+        result = self.runner.execute(plan)
+        sampled = result.sampled
+        outputs = []
+        for request_id, why in result.failed.items():
+            req = self.scheduler.abort(request_id)
+            self.runner.release(request_id)
+            if req is not None:
+                outputs.append(
+                    RequestOutput(
+                        request_id=request_id,
+                        new_token_ids=(),
+                        finish_reason="error",
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        num_cached_tokens=max(req.num_cached_tokens, 0),
+                        error=why,
+                    )
+                )
         finished = {
             r.request_id
             for r in self.scheduler.update_from_output(
                 plan, {k: v.token_id for k, v in sampled.items()}
             )
         }
-        outputs = []
         for s in plan.scheduled:
             req = s.request
             token = sampled.get(req.request_id)

@@ -7,10 +7,12 @@ and shared by every layer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hotpool.kernels.paged_attention import decode_key_bias
-from hotpool.kernels.sampling import SamplingRow, sample
+from hotpool.kernels.sampling import NonFiniteLogitsError, SamplingRow, sample
 from hotpool.worker.engine.base import SampledToken
 from hotpool.worker.engine.request import Request
 from hotpool.worker.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -22,6 +24,12 @@ from hotpool.worker.models.attention import (
     attention_kernels,
 )
 from hotpool.worker.models.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    sampled: dict[str, SampledToken]  # request id -> its new token
+    failed: dict[str, str]  # request id -> why it cannot go on (e.g. NaN logits)
 
 
 class ModelRunner:
@@ -36,7 +44,7 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(self, step: SchedulerOutput) -> StepOutput:
         decodes = [s for s in step.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in step.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
@@ -61,9 +69,24 @@ class ModelRunner:
         )
         samplers = [s for s in ordered if s.samples]
         if not samplers:
-            return {}
+            return StepOutput({}, {})
         logits = self.model.logits(hidden[torch.tensor(sample_rows, device=dev)])
-        out = sample(logits, [self._row(s.request) for s in samplers])
+        rows = [self._row(s.request) for s in samplers]
+        failed: dict[str, str] = {}
+        try:
+            out = sample(logits, rows)
+        except NonFiniteLogitsError as exc:
+            # A numerical fault in some rows fails those requests, not the whole batch.
+            bad = set(exc.rows)
+            keep = [i for i in range(len(samplers)) if i not in bad]
+            for i in sorted(bad):
+                failed[samplers[i].request.request_id] = (
+                    "the model produced NaN or infinite logits; generation stopped"
+                )
+            samplers, rows = [samplers[i] for i in keep], [rows[i] for i in keep]
+            if not samplers:
+                return StepOutput({}, failed)
+            out = sample(logits[torch.tensor(keep, device=dev)], rows)
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist()
         tops: list[list[tuple[int, float]]] = [[] for _ in samplers]
@@ -72,10 +95,11 @@ class ModelRunner:
             for i, s in enumerate(samplers):
                 n = s.request.params.logprobs or 0
                 tops[i] = list(zip(top_ids[i, :n].tolist(), values[i, :n].tolist(), strict=True))
-        return {
+        sampled = {
             s.request.request_id: SampledToken(tokens[i], logprobs[i], tuple(tops[i]))
             for i, s in enumerate(samplers)
         }
+        return StepOutput(sampled, failed)
 
     def _metadata(
         self,
@@ -122,6 +146,8 @@ class ModelRunner:
             frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty,
             generator=gen,
+            seed=p.seed,
+            offset=len(req.output_token_ids),
             num_logprobs=p.logprobs or 0,
             prompt_token_ids=req.prompt_token_ids if penalized else (),
             output_token_ids=req.output_token_ids if penalized else (),
