@@ -1,10 +1,13 @@
-"""hotpool's batched sampler against HF transformers' logits processors, on the same logits.
+"""hotpool's CPU sampler against HF transformers' logits processors, on the same logits.
 
-For each batch size and typical sampling settings, times one call of ``hotpool`` 's
-``sample`` (which also returns the sampled tokens' logprobs) and HF's chain
-(``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``, ``MinPLogitsWarper``
-as the setting needs, then ``softmax`` and ``torch.multinomial``; greedy is ``argmax``) and
-prints milliseconds per call and the ratio.
+For each vocabulary, batch size and mix of sampling settings, times one call of hotpool's
+``sample`` (which also returns every sampled token's raw logprob) and HF's chain
+(``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``,
+``MinPLogitsWarper`` as the setting needs, then ``softmax`` and ``torch.multinomial``; greedy
+is ``argmax``) and prints milliseconds per call, the logits hotpool gets through per second
+and HF's time over hotpool's. The ``mixed`` batch cycles through greedy, top-k, top-p-only
+and min-p rows, as a server's batch does: hotpool samples it in one call, HF in one chain
+per kind of row (it has no per-row parameters).
 
 The default logits follow a language model's shape: sorted, a row falls off like
 ``-a * log(rank)`` with ``a`` between 1.1 and 3, which matches SmolLM2's logits at the
@@ -12,7 +15,8 @@ median and both tails within a factor of two (nucleus sizes included). ``--logit
 uses ``randn`` rows instead: the worst case for top-p, whose nucleus then holds most of
 the vocabulary.
 
-    python benchmarks/bench_sampling.py --batch 1 8 32 64 --vocab 49152 --iters 20
+    python benchmarks/bench_sampling.py                      # B 1 32 128, V 49152 128256
+    python benchmarks/bench_sampling.py --batch 32 --vocab 49152 --threads 1
 """
 
 from __future__ import annotations
@@ -48,10 +52,17 @@ class Setting:
     presence_penalty: float = 0.0
 
 
+GREEDY = Setting("greedy", temperature=0.0)
+TOP_K = Setting("T=0.7 top_k=50", temperature=0.7, top_k=50)
+TOP_P = Setting("T=1 top_p=0.95 (top-p only)", top_p=0.95)
+MIN_P = Setting("T=1 min_p=0.05", min_p=0.05)
 SETTINGS = [
-    Setting("greedy", temperature=0.0),
+    GREEDY,
     Setting("T=0.7", temperature=0.7),
+    TOP_K,
     Setting("T=0.7 top_p=0.9", temperature=0.7, top_p=0.9),
+    TOP_P,
+    MIN_P,
     Setting(
         "T=0.7 top_k=50 top_p=0.9 presence=0.5",
         temperature=0.7,
@@ -59,9 +70,8 @@ SETTINGS = [
         top_p=0.9,
         presence_penalty=0.5,
     ),
-    Setting("T=1 top_p=0.95", top_p=0.95),
-    Setting("T=1 min_p=0.05", min_p=0.05),
 ]
+MIXED = [GREEDY, TOP_K, TOP_P, MIN_P]  # row i of the mixed batch uses MIXED[i % 4]
 
 
 def lm_like_logits(batch: int, vocab: int, g: torch.Generator) -> torch.Tensor:
@@ -72,23 +82,26 @@ def lm_like_logits(batch: int, vocab: int, g: torch.Generator) -> torch.Tensor:
     return torch.empty(batch, vocab).scatter_(1, order, profile) + 10.0
 
 
-def hotpool_call(logits: torch.Tensor, s: Setting, outputs: torch.Tensor) -> Callable[[], object]:
-    history = [tuple(row) for row in outputs.tolist()] if s.presence_penalty else None
-    rows = [
-        SamplingRow(
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            min_p=s.min_p,
-            presence_penalty=s.presence_penalty,
-            output_token_ids=history[i] if history else (),
-        )
-        for i in range(logits.shape[0])
-    ]
+def row_for(s: Setting, history: tuple[int, ...]) -> SamplingRow:
+    return SamplingRow(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        output_token_ids=history if s.presence_penalty else (),
+    )
+
+
+def hotpool_call(
+    logits: torch.Tensor, settings: list[Setting], outputs: torch.Tensor
+) -> Callable[[], object]:
+    history = [tuple(row) for row in outputs.tolist()]
+    rows = [row_for(settings[i % len(settings)], history[i]) for i in range(logits.shape[0])]
     return lambda: sample(logits, rows)
 
 
-def hf_call(logits: torch.Tensor, s: Setting, outputs: torch.Tensor) -> Callable[[], object]:
+def hf_chain(logits: torch.Tensor, s: Setting, outputs: torch.Tensor) -> Callable[[], object]:
     if s.temperature == 0.0:
         return lambda: logits.argmax(dim=-1)
     chain = LogitsProcessorList([TemperatureLogitsWarper(s.temperature)])
@@ -110,22 +123,35 @@ def hf_call(logits: torch.Tensor, s: Setting, outputs: torch.Tensor) -> Callable
     return run
 
 
-def per_call_ms(fn: Callable[[], object], iters: int) -> float:
+def hf_call(
+    logits: torch.Tensor, settings: list[Setting], outputs: torch.Tensor
+) -> Callable[[], object]:
+    """One chain per kind of row, each on its own rows (gathered once, outside the timing)."""
+    n = len(settings)
+    parts = [hf_chain(logits[i::n], s, outputs[i::n]) for i, s in enumerate(settings)]
+    return lambda: [part() for part in parts]
+
+
+def per_call_ms(fn: Callable[[], object], iters: int, budget_s: float) -> float:
+    """The median of ``iters`` calls after two warm-ups, fewer (at least 3) past ``budget_s``."""
     fn()
     fn()
-    times = []
-    for _ in range(iters):
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < iters and (len(times) < 3 or spent < budget_s):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
+        spent += times[-1]
     return statistics.median(times) * 1e3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument("--vocab", type=int, nargs="+", default=[49152, 128256])
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--budget", type=float, default=3.0, help="seconds per measurement")
     parser.add_argument("--logits", choices=["lm", "flat"], default="lm")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -133,20 +159,28 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
 
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, vocab {args.vocab}, "
-        f"{args.logits} logits, median of {args.iters} calls"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.logits} logits, "
+        f"median of up to {args.iters} calls"
     )
-    print(f"{'setting':<40} {'batch':>5} {'hotpool ms':>11} {'HF ms':>9} {'speedup':>8}")
-    for s in SETTINGS:
-        for batch in args.batch:
-            if args.logits == "lm":
-                logits = lm_like_logits(batch, args.vocab, g)
-            else:
-                logits = torch.randn(batch, args.vocab, generator=g)
-            outputs = torch.randint(0, args.vocab, (batch, NUM_OUTPUT_TOKENS), generator=g)
-            ours = per_call_ms(hotpool_call(logits, s, outputs), args.iters)
-            theirs = per_call_ms(hf_call(logits, s, outputs), args.iters)
-            print(f"{s.name:<40} {batch:>5} {ours:>11.3f} {theirs:>9.3f} {theirs / ours:>7.1f}x")
+    header = f"{'setting':<40} {'vocab':>6} {'batch':>5} {'hotpool ms':>10} {'GB/s':>6}"
+    print(f"{header} {'HF ms':>9} {'HF/hotpool':>10}")
+    mixes = [(s.name, [s]) for s in SETTINGS] + [("mixed: greedy/top_k/top_p/min_p", MIXED)]
+    for vocab in args.vocab:
+        for name, settings in mixes:
+            for batch in args.batch:
+                if args.logits == "lm":
+                    logits = lm_like_logits(batch, vocab, g)
+                else:
+                    logits = torch.randn(batch, vocab, generator=g)
+                outputs = torch.randint(0, vocab, (batch, NUM_OUTPUT_TOKENS), generator=g)
+                used = settings[:batch]  # a batch of one holds only the first kind
+                ours = per_call_ms(hotpool_call(logits, used, outputs), args.iters, args.budget)
+                theirs = per_call_ms(hf_call(logits, used, outputs), args.iters, args.budget)
+                gbps = logits.numel() * logits.element_size() / (ours * 1e-3) / 1e9
+                print(
+                    f"{name:<40} {vocab:>6} {batch:>5} {ours:>10.3f} {gbps:>6.2f} "
+                    f"{theirs:>9.3f} {theirs / ours:>9.1f}x"
+                )
 
 
 if __name__ == "__main__":

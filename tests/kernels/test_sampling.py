@@ -1,18 +1,19 @@
-"""The sampler against a per-row, sort-based reference written here: greedy rows, the exact
-distribution every filter leaves, penalties, logprobs, seeds and input checks."""
+"""The torch path (the CPU's, and any device's without Triton) against the sort-based
+reference: greedy rows, the distribution every filter leaves, penalties, logprobs, seeds and
+input checks."""
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
 import torch
 
-from hotpool.kernels import sampling
+from hotpool.kernels import sampling_torch, sampling_transfer
 from hotpool.kernels.sampling import SamplingRow, sample
+from hotpool.kernels.sampling_reference import reference_probs
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
@@ -21,43 +22,13 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-# --- the reference: one row at a time, float64, sorting the whole vocabulary --------------
-
-
-def penalize(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    x = logits.double().clone()
-    if row.repetition_penalty != 1.0:
-        for t in set(row.prompt_token_ids) | set(row.output_token_ids):
-            x[t] = x[t] / row.repetition_penalty if x[t] > 0 else x[t] * row.repetition_penalty
-    for t, n in Counter(row.output_token_ids).items():
-        x[t] -= row.frequency_penalty * n + row.presence_penalty
-    return x
-
-
-def reference_probs(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    """Each token's exact probability: penalties, temperature, min_p, top_k, top_p."""
-    x = penalize(logits, row)
-    if row.temperature == 0.0 or row.top_k == 1:
-        return torch.nn.functional.one_hot(x.argmax(), x.numel()).double()
-    probs = torch.softmax(x / row.temperature, dim=0)
-    probs[probs < row.min_p * probs.max()] = 0.0
-    probs, order = probs.sort(descending=True)
-    if row.top_k:
-        probs[row.top_k :] = 0.0
-    probs /= probs.sum()
-    probs[probs.cumsum(0) - probs >= row.top_p] = 0.0  # the token that crosses top_p stays
-    out = torch.zeros_like(probs)
-    out[order] = probs / probs.sum()
-    return out
-
-
 def frequencies(logits: torch.Tensor, row: SamplingRow, draws: int, device: str = "cpu"):
     """How often each token comes out of ``draws`` identical rows, in batches of 2,000."""
     counts = torch.zeros(logits.numel(), dtype=torch.float64)
     for start in range(0, draws, 2000):
         n = min(2000, draws - start)
         batch = logits.to(device)[None].expand(n, -1)
-        tokens = sample(batch, [row] * n).token_ids
+        tokens = sample(batch, [row] * n, backend="torch").token_ids
         counts += torch.bincount(tokens, minlength=logits.numel()).double()
     return counts / draws
 
@@ -89,7 +60,7 @@ def fixed_seed() -> None:
 def nucleus_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Top-p rows without top_k: rejection on the CPU, or the full sort other devices use."""
     if request.param == "sorted":
-        monkeypatch.setattr(sampling, "_REJECTION_DEVICES", ())
+        monkeypatch.setattr(sampling_torch, "_REJECTION_DEVICES", ())
     return str(request.param)
 
 
@@ -100,7 +71,7 @@ def nucleus_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 def test_greedy_rows_are_the_argmax_whatever_their_filters(device: str) -> None:
     logits = torch.randn(64, 300, device=device)
     rows = [SamplingRow(temperature=0.0, top_k=i % 5, top_p=0.1 + i / 80) for i in range(64)]
-    out = sample(logits, rows)
+    out = sample(logits, rows, backend="torch")
     assert out.token_ids.device.type == "cpu"
     assert out.token_ids.dtype == torch.long
     assert out.token_ids.tolist() == logits.argmax(dim=1).tolist()
@@ -236,7 +207,7 @@ def test_large_vocab_distribution_matches_the_reference(
 def test_rejection_rounds_do_not_change_the_distribution(
     rounds: int, case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sampling, "_MAX_REJECTION_ROUNDS", rounds)
+    monkeypatch.setattr(sampling_torch, "_MAX_REJECTION_ROUNDS", rounds)
     assert_large_vocab_matches(*LARGE[case])
 
 
@@ -249,7 +220,7 @@ def test_extreme_uniform_draws_stay_inside_the_nucleus(
 ) -> None:
     # Over a long row the sums round differently by an ulp or two; a draw just under 1 must
     # still land on a token top-p kept, never on one it cut.
-    monkeypatch.setattr(sampling, "_uniforms", lambda gens: [draw] * len(gens))
+    monkeypatch.setattr(sampling_torch, "uniforms", lambda gens: [draw] * len(gens))
     logits = torch.randn(20, 4096) * 3
     tokens = sample(logits, [row] * 20).token_ids
     for i in range(20):
@@ -296,65 +267,6 @@ def test_masked_tokens_are_never_drawn(nucleus_path: str) -> None:
     ]
     for _ in range(20):
         assert all(t % 2 == 1 for t in sample(logits, rows).token_ids.tolist())
-
-
-# --- penalties -----------------------------------------------------------------------------
-
-
-def test_penalties_follow_the_reference_formulas_in_greedy_outcomes() -> None:
-    """Random penalties and histories: the greedy token is the reference's argmax."""
-    g = gen(3)
-    logits = torch.randn(128, 50, generator=g) * 2
-    rows = []
-    for i in range(128):
-        prompt = torch.randint(0, 50, (int(torch.randint(0, 12, (), generator=g)),), generator=g)
-        output = torch.randint(0, 50, (int(torch.randint(0, 12, (), generator=g)),), generator=g)
-        rows.append(
-            SamplingRow(
-                temperature=0.0,
-                presence_penalty=[0.0, 0.8, -0.5][i % 3],
-                frequency_penalty=[0.0, 0.4, 1.1, -0.3][i % 4],
-                repetition_penalty=[1.0, 1.3, 2.5, 0.7, 1.1][i % 5],
-                prompt_token_ids=prompt.tolist(),
-                output_token_ids=output.tolist(),
-            )
-        )
-    expected = [int(penalize(logits[i], r).argmax()) for i, r in enumerate(rows)]
-    before = logits.clone()
-    assert sample(logits, rows).token_ids.tolist() == expected
-    assert torch.equal(logits, before), "the caller's logits were modified"
-    assert expected != logits.argmax(dim=1).tolist(), "the penalties changed nothing"
-
-
-def test_each_penalty_flips_the_argmax_by_its_formula() -> None:
-    logits = torch.tensor([[3.0, 2.0, -1.0, -1.2]] * 4)
-    rows = [
-        # 3 / 1.6 = 1.875 < 2: token 0 loses
-        SamplingRow(temperature=0.0, repetition_penalty=1.6, prompt_token_ids=(0,)),
-        # presence counts once: 3 - 0.9 = 2.1 > 2
-        SamplingRow(temperature=0.0, presence_penalty=0.9, output_token_ids=(0, 0, 0)),
-        # frequency counts every time: 3 - 3 * 0.4 = 1.8 < 2
-        SamplingRow(temperature=0.0, frequency_penalty=0.4, output_token_ids=(0, 0, 0)),
-        # negative logits are multiplied: -1 * 1.5 = -1.5 < -1.2, so 3 > 2 > -1.2 > -1.5
-        SamplingRow(temperature=0.0, top_k=0, repetition_penalty=1.5, prompt_token_ids=(2,)),
-    ]
-    assert sample(logits, rows).token_ids.tolist() == [1, 0, 1, 0]
-    # repetition applies to the output too, presence and frequency to the output only
-    row = SamplingRow(temperature=0.0, presence_penalty=5.0, prompt_token_ids=(0,))
-    assert sample(logits[:1], [row]).token_ids.tolist() == [0]
-
-
-def test_penalty_token_ids_outside_the_vocabulary_raise() -> None:
-    with pytest.raises(ValueError, match="token ids"):
-        sample(torch.zeros(1, 4), [SamplingRow(presence_penalty=1.0, output_token_ids=(4,))])
-
-
-def test_penalties_work_on_a_strided_view_of_the_logits() -> None:
-    hidden = torch.randn(3, 5, 40)
-    logits = hidden[:, -1, :]  # not contiguous
-    row = SamplingRow(temperature=0.0, repetition_penalty=3.0, output_token_ids=(7, 9))
-    expected = [int(penalize(logits[i], row).argmax()) for i in range(3)]
-    assert sample(logits, [row] * 3).token_ids.tolist() == expected
 
 
 # --- logprobs ------------------------------------------------------------------------------
@@ -410,12 +322,13 @@ def test_results_pack_into_one_host_copy_and_back() -> None:
     tokens = torch.tensor([3, 49151])
     logprobs = torch.tensor([-0.0, -123.456])
     top = (torch.tensor([[-1e-30, float("-inf")], [-2.5, -7.0]]), torch.tensor([[1, 2], [3, 4]]))
-    out = sampling._unpack(sampling._pack(tokens, logprobs, top), 2)
+    out = sampling_transfer.unpack(sampling_transfer.pack(tokens, logprobs, top), 2)
     assert torch.equal(out.token_ids, tokens)
     assert torch.equal(out.logprobs.view(torch.int32), logprobs.view(torch.int32))
     assert out.top_logprobs is not None
     assert torch.equal(out.top_logprobs[0], top[0]) and torch.equal(out.top_logprobs[1], top[1])
-    assert sampling._unpack(sampling._pack(tokens, logprobs, None), 0).top_logprobs is None
+    packed = sampling_transfer.pack(tokens, logprobs, None)
+    assert sampling_transfer.unpack(packed, 0).top_logprobs is None
 
 
 # --- seeds ---------------------------------------------------------------------------------

@@ -1,0 +1,231 @@
+"""GPU checks for the Triton sampler: the kernel tests on CUDA, then its speed against the
+device's copy bandwidth, the torch path and FlashInfer, in one table.
+
+    bash benchmarks/run_gpu_checks.sh            # the same as: python benchmarks/gpu_kernels.py
+
+1. ``pytest tests/kernels -x -q --noconftest`` in this process, with the sampling kernel
+   compiled for CUDA: it is imported before any test module runs, so a test module that sets
+   ``TRITON_INTERPRET`` (test_triton_paged_attention.py does, for its own kernels) cannot
+   turn it into the interpreter. A failure is reported and the table still follows; the
+   exit status is then 1. ``--skip-tests`` skips this step.
+2. For each shape and mix of rows, the median time (``triton.testing.do_bench``: CUDA events,
+   warm-ups, the L2 cache flushed before each call) of
+   - ``copy``: ``dst.copy_(logits)``; its bandwidth counts the bytes read and written;
+   - ``kernel``: ``triton_sample`` alone, parameters already on the device; its GB/s is one
+     read of the logits per call, the physical limit, compared with the copy bandwidth;
+   - ``sample``: ``sample(..., backend="triton")``, parameters uploaded and results copied to
+     the host (what the engine pays);
+   - ``torch``: ``sample(..., backend="torch")`` on the GPU (sorts top-p rows);
+   - ``flashinfer``: ``flashinfer.sampling.top_k_top_p_sampling_from_logits`` when
+     ``import flashinfer`` works, for the mixes it covers (temperature 1).
+   The issue's target: at B=256, V=128256 the kernel reaches >= 70% of the copy bandwidth and
+   is no slower than FlashInfer.
+
+Without CUDA it stops at once with a message and exit status 2. On a bare GPU machine
+(``python3`` with torch, triton, pytest and hypothesis, nothing installed from here) it
+imports ``hotpool.kernels`` straight from the checkout. With the device tool:
+``run(command="bash benchmarks/run_gpu_checks.sh", timeout_s=540)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPES = [(256, 128256), (64, 128256), (256, 32000), (32, 49152)]
+
+
+@dataclass(frozen=True)
+class Mix:
+    name: str
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def flashinfer(self) -> bool:  # what top_k_top_p_sampling_from_logits computes
+        return self.temperature == 1.0 and self.min_p == 0.0 and (self.top_k > 0 or self.top_p < 1)
+
+
+MIXES = [
+    Mix("greedy", temperature=0.0),
+    Mix("T=1", temperature=1.0),
+    Mix("T=0.7 top_k=50", temperature=0.7, top_k=50),
+    Mix("top_p=0.9", top_p=0.9),
+    Mix("top_k=50 top_p=0.9", top_k=50, top_p=0.9),
+    Mix("min_p=0.05", min_p=0.05),
+]
+
+
+def import_hotpool_kernels() -> None:
+    """``hotpool.kernels`` importable: installed, or else straight from this checkout (the
+    folders ``core`` and ``kernels`` as pyproject maps them), so a bare GPU machine needs no
+    install."""
+    try:
+        import hotpool.kernels  # noqa: F401
+    except ImportError:
+        for name, folder in (("hotpool", "core"), ("hotpool.kernels", "kernels")):
+            spec = importlib.util.spec_from_file_location(
+                name, REPO / folder / "__init__.py", submodule_search_locations=[str(REPO / folder)]
+            )
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+
+
+def fail(message: str) -> None:
+    print(f"gpu_kernels: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def lm_like_logits(batch: int, vocab: int) -> torch.Tensor:
+    """Rows that fall off like ``-a * log(rank)``, as a language model's do (see
+    bench_sampling.py), in a random token order; fp32 on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    slope = torch.empty(batch, 1, device="cuda").uniform_(0.1, 1.1, generator=g).exp()
+    ranks = torch.arange(1, vocab + 1, device="cuda", dtype=torch.float32)
+    profile = -slope * ranks.log() + 0.3 * torch.randn(batch, vocab, device="cuda", generator=g)
+    order = torch.rand(batch, vocab, device="cuda", generator=g).argsort(dim=1)
+    return torch.empty_like(profile).scatter_(1, order, profile) + 10.0
+
+
+def median_ms(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def flashinfer_call(
+    logits: torch.Tensor, mix: Mix
+) -> tuple[Callable[[], object] | None, str | None]:
+    try:
+        from flashinfer.sampling import top_k_top_p_sampling_from_logits
+    except ImportError as e:
+        return None, f"flashinfer does not import ({e}); its column is skipped"
+    b, v = logits.shape
+    top_k = torch.full((b,), mix.top_k or v, dtype=torch.int32, device="cuda")
+    top_p = torch.full((b,), mix.top_p, dtype=torch.float32, device="cuda")
+
+    def call() -> object:
+        return top_k_top_p_sampling_from_logits(logits, top_k, top_p)
+
+    try:
+        call()
+    except Exception as e:  # an API this script does not know: say so, keep the rest
+        return None, f"flashinfer's top_k_top_p_sampling_from_logits failed: {e!r}"
+    return call, None
+
+
+def copy_gbps(logits: torch.Tensor) -> float:
+    """The device's copy bandwidth on a tensor like ``logits``, bytes read and written."""
+    dst = torch.empty_like(logits)
+    return (
+        2
+        * logits.numel()
+        * logits.element_size()
+        / (median_ms(lambda: dst.copy_(logits)) * 1e-3)
+        / 1e9
+    )
+
+
+def measure(logits: torch.Tensor, mix: Mix, copy: float, notes: set[str]) -> str:
+    """One line of the table: ``mix`` on every row of ``logits``."""
+    from hotpool.kernels.sampling import SamplingRow, sample
+    from hotpool.kernels.triton_sampling import triton_sample
+
+    b, v = logits.shape
+    rows = [
+        SamplingRow(
+            temperature=mix.temperature,
+            top_k=mix.top_k,
+            top_p=mix.top_p,
+            min_p=mix.min_p,
+            seed=7,
+            offset=i,
+        )
+        for i in range(b)
+    ]
+    params = (
+        torch.full((b,), mix.temperature, device="cuda"),
+        torch.full((b,), mix.top_k, dtype=torch.int32, device="cuda"),
+        torch.full((b,), mix.top_p, device="cuda"),
+        torch.full((b,), mix.min_p, device="cuda"),
+        torch.full((b,), 7, dtype=torch.int64, device="cuda"),
+        torch.arange(b, device="cuda"),
+    )
+    kernel_ms = median_ms(lambda: triton_sample(logits, *params))
+    sample_ms = median_ms(lambda: sample(logits, rows, backend="triton"))
+    torch_ms = median_ms(lambda: sample(logits, rows, backend="torch"))
+    fi = "n/a"
+    if mix.flashinfer:
+        call, note = flashinfer_call(logits, mix)
+        if note:
+            notes.add(note)
+        if call is not None:
+            fi = f"{median_ms(call) * 1e3:.1f}"
+    gbps = logits.numel() * logits.element_size() / (kernel_ms * 1e-3) / 1e9
+    return (
+        f"{b:>4} {v:>7} {mix.name:<20} {copy:>9.0f} {kernel_ms * 1e3:>9.1f} {gbps:>7.0f} "
+        f"{100 * gbps / copy:>5.0f}% {sample_ms * 1e3:>9.1f} {torch_ms * 1e3:>9.1f} {fi:>13}"
+    )
+
+
+def bench(shapes: list[tuple[int, int]], mixes: list[Mix]) -> None:
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; medians, L2 flushed")
+    head = f"{'B':>4} {'V':>7} {'mix':<20} {'copy GB/s':>9} {'kernel us':>9} {'GB/s':>7}"
+    print(f"{head} {'% copy':>6} {'sample us':>9} {'torch us':>9} {'flashinfer us':>13}")
+    notes: set[str] = set()
+    for b, v in shapes:
+        logits = lm_like_logits(b, v)
+        copy = copy_gbps(logits)
+        for mix in mixes:
+            print(measure(logits, mix, copy, notes))
+    for note in sorted(notes):
+        print(f"note: {note}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="the first shape only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        fail("no CUDA device is visible to torch; these checks need a GPU")
+    if os.environ.pop("TRITON_INTERPRET", None) not in (None, "0"):
+        print("gpu_kernels: TRITON_INTERPRET was set; unset for this run", file=sys.stderr)
+    import_hotpool_kernels()
+    try:
+        from hotpool.kernels import triton_sampling
+    except ImportError as e:
+        fail(f"triton does not import: {e}")
+    if triton_sampling.interpreted():
+        fail("the sampling kernel was decorated for the interpreter; run in a fresh process")
+    failed = False
+    if not args.skip_tests:
+        import pytest
+
+        # No conftest: the suite's root one needs the model-conversion packages, and the
+        # kernels' own only chooses the interpreter where there is no GPU.
+        tests = str(REPO / "tests" / "kernels")
+        code = pytest.main([tests, "-x", "-q", "--noconftest", "-p", "no:cacheprovider"])
+        failed = code != 0
+        if failed:  # the table is still worth its device time; the exit status says it
+            print(f"gpu_kernels: kernel tests FAILED on CUDA (pytest exit {code})", file=sys.stderr)
+        os.environ.pop("TRITON_INTERPRET", None)  # a test module may have set it
+    bench(SHAPES[:1] if args.quick else SHAPES, MIXES)
+    if failed:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The Triton pieces of the sampling kernel's filters: tile loads, the mask of tokens that
+survive min_p and a threshold, and the pivot search that finds the top_k and top_p
+thresholds as exact logits (see ``hotpool.kernels.triton_sampling``).
+
+Every function works on a ``[ROWS, BLOCK]`` tile with per-row ``[ROWS]`` state, each row's
+decisions its own masks, so one program may carry many rows.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def float_key(f):
+    """An int64 whose order is the order of the float32 ``f`` (for bisection over bits)."""
+    b = f.to(tl.int32, bitcast=True)
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
+def float_unkey(k):
+    k32 = k.to(tl.int32)
+    return tl.where(k32 >= 0, k32, k32 ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def any_row(mask):
+    return tl.max(mask.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def load_tile(base, idx, row_ok, V):
+    """The tile ``[ROWS, BLOCK]`` at columns ``idx`` ``[1, BLOCK]``, -inf outside, float32."""
+    mask = row_ok[:, None] & (idx < V)
+    return tl.load(base + idx, mask=mask, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def survives(x, m, inv_t, vk, min_p):
+    # -inf logits weigh 0 and never survive: min_p > 0 or x >= vk (finite) excludes them.
+    w = tl.exp((x - m) * inv_t)
+    return (x >= vk) & (w >= min_p) & (x > float("-inf")), w
+
+
+@triton.jit
+def threshold(
+    base,
+    row_ok,
+    V,
+    lo,
+    hi,
+    c,
+    m,
+    inv_t,
+    vk,
+    min_p,
+    BY_MASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    VALUE_ROUNDS: tl.constexpr = 24,
+):
+    """Per row, the smallest logit ``v`` in ``[lo, hi]`` whose surviving tokens above it
+    count (``BY_MASS`` False) or weigh less than ``c``; ``v = hi`` must qualify, ``c > 0``.
+    Rows with ``lo > hi`` are left out and get ``hi``.
+
+    The answer is a logit in ``[lo, hb]`` or ``hi``: a pivot that qualifies moves ``hi`` to
+    the smallest logit >= it and ``hb`` to the largest below it, one that fails moves ``lo``
+    to the smallest logit above it.
+    """
+    cols = tl.arange(0, BLOCK)[None, :]
+    m2, inv_t2, vk2, min_p2 = m[:, None], inv_t[:, None], vk[:, None], min_p[:, None]
+    hb = hi
+    active = hb >= lo
+    rounds = 0
+    while any_row(active):
+        a = tl.where(active, lo, 0.0)
+        b = tl.where(active, hb, 0.0)
+        # Halving the values finds well-spread logits in ~log2(V) passes; halving the bit
+        # patterns afterwards bounds the worst case (at most ~33 more passes).
+        if rounds < VALUE_ROUNDS:
+            p = tl.minimum(tl.maximum(a * 0.5 + b * 0.5, a), b)
+        else:
+            ka = float_key(a)
+            p = float_unkey(ka + (float_key(b) - ka) // 2)
+        rounds += 1
+        p2 = p[:, None]
+        g = tl.zeros([ROWS], tl.float32)
+        above = tl.full([ROWS], float("inf"), tl.float32)  # smallest logit > p
+        at_or_above = tl.full([ROWS], float("inf"), tl.float32)  # smallest logit >= p
+        below = tl.full([ROWS], float("-inf"), tl.float32)  # largest logit < p
+        for start in range(0, V, BLOCK):
+            x = load_tile(base, start + cols, row_ok, V)
+            keep, w = survives(x, m2, inv_t2, vk2, min_p2)
+            gt = keep & (x > p2)
+            if BY_MASS:
+                g += tl.sum(tl.where(gt, w, 0.0), axis=1)
+            else:
+                g += tl.sum(gt.to(tl.float32), axis=1)
+            above = tl.minimum(above, tl.min(tl.where(gt, x, float("inf")), axis=1))
+            ge = keep & (x >= p2)
+            at_or_above = tl.minimum(at_or_above, tl.min(tl.where(ge, x, float("inf")), axis=1))
+            below = tl.maximum(below, tl.max(tl.where(keep & (x < p2), x, float("-inf")), axis=1))
+        fits = active & (g < c)
+        hi = tl.where(fits, at_or_above, hi)
+        hb = tl.where(fits, below, hb)
+        lo = tl.where(active & ~fits, above, lo)
+        active = active & (hb >= lo)
+    return hi
