@@ -166,9 +166,10 @@ void hp_paged_decode(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const
     for (int64_t task = 0; task < batch * kv_heads; ++task) {
         int64_t b = task / kv_heads, h = task % kv_heads;
         int64_t len = seq_lens[b];
-        float *qf = malloc(sizeof(float) * (size_t)(group * dim * 2 + group * len));
+        float *qf = malloc(sizeof(float) * (size_t)(group * dim * 2 + dim + group * len));
         float *acc = qf + group * dim;
-        float *scores = acc + group * dim;
+        float *kf = acc + group * dim;
+        float *scores = kf + dim;
         for (int64_t g = 0; g < group; ++g) {
             const bf16 *qh = q + b * q_stride + (h * group + g) * dim;
 #pragma omp simd
@@ -185,11 +186,14 @@ void hp_paged_decode(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const
             int64_t n = len - s0 < block_size ? len - s0 : block_size;
             for (int64_t i = 0; i < n; ++i) {
                 const bf16 *kr = kb + i * dim;
+                /* Widen the key once for the whole group; the dot products then vectorise. */
+#pragma omp simd
+                for (int64_t d = 0; d < dim; ++d) kf[d] = bf2f(kr[d]);
                 for (int64_t g = 0; g < group; ++g) {
                     const float *qg = qf + g * dim;
                     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < dim; ++d) dot += qg[d] * bf2f(kr[d]);
+                    for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kf[d];
                     scores[g * len + s0 + i] = dot;
                 }
             }

@@ -31,6 +31,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own
     enable_prefix_caching: bool = True
     prefix_cache_salt: bytes = b""  # per deployment: prefixes never match across deployments
+    # Kernels (None: chosen by device and dtype); set to compare paths in tests and benchmarks.
+    attention_backend: str | None = None  # "torch", "native" (C, bf16 on the CPU), "triton"
+    sampler_backend: str | None = None  # "torch", "triton", "reference"
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,9 @@ class LLMEngine(Engine):
             config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len
         )
         self.scheduler = Scheduler(sched, self.kv_manager)
-        self.runner = ModelRunner(model, self.kv_cache, device)
+        self.runner = ModelRunner(
+            model, self.kv_cache, device, config.attention_backend, config.sampler_backend
+        )
         self._arrivals = itertools.count()
         self._steps = 0
         self._last_step = (0.0, 0)

@@ -33,11 +33,19 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: PagedKVCache, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: PagedKVCache,
+        device: torch.device,
+        attention_backend: str | None = None,
+        sampler_backend: str | None = None,
+    ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
-        self.attention = attention_kernels(kv.k[0], native=model.native_ops)
+        self.attention = attention_kernels(kv.k[0], model.native_ops, attention_backend)
+        self.sampler_backend = sampler_backend
         self._generators: dict[str, torch.Generator] = {}
 
     def release(self, request_id: str) -> None:
@@ -74,7 +82,7 @@ class ModelRunner:
         rows = [self._row(s.request) for s in samplers]
         failed: dict[str, str] = {}
         try:
-            out = sample(logits, rows)
+            out = sample(logits, rows, backend=self.sampler_backend)
         except NonFiniteLogitsError as exc:
             # A numerical fault in some rows fails those requests, not the whole batch.
             bad = set(exc.rows)
@@ -86,7 +94,7 @@ class ModelRunner:
             samplers, rows = [samplers[i] for i in keep], [rows[i] for i in keep]
             if not samplers:
                 return StepOutput({}, failed)
-            out = sample(logits[torch.tensor(keep, device=dev)], rows)
+            out = sample(logits[torch.tensor(keep, device=dev)], rows, backend=self.sampler_backend)
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist()
         tops: list[list[tuple[int, float]]] = [[] for _ in samplers]

@@ -225,19 +225,30 @@ class AttentionKernels:
 TORCH_KERNELS = AttentionKernels("torch", write_kv, paged_decode, paged_prefill, True)
 
 
-def attention_kernels(cache: torch.Tensor, native: bool = True) -> AttentionKernels:
-    """The kernels for a cache: Triton on CUDA where it supports the shape, the fused C
-    kernels for bfloat16 on the CPU (``native``, when they build), else torch."""
+def attention_kernels(
+    cache: torch.Tensor, native: bool = True, backend: str | None = None
+) -> AttentionKernels:
+    """The kernels for a cache. ``backend`` None chooses: Triton on CUDA where it supports the
+    shape, the fused C kernels for bfloat16 on the CPU (``native``, when they build), else
+    torch. ``"torch"``, ``"native"`` or ``"triton"`` force one (Triton also runs on CPU
+    tensors under ``TRITON_INTERPRET=1``, which is how tests compare the paths)."""
+    if backend not in (None, "torch", "native", "triton"):
+        raise ValueError(f"attention backend {backend!r}: choose torch, native or triton")
     _, _, block_size, head_dim = cache.shape
-    if cache.is_cuda:
+    if backend == "torch":
+        return TORCH_KERNELS
+    if backend == "triton" or (backend is None and cache.is_cuda):
         from hotpool.kernels import triton_paged_attention as tk  # triton only where it runs
 
-        if block_size in tk.SUPPORTED_BLOCK_SIZES and head_dim in tk.SUPPORTED_HEAD_DIMS:
+        supported = block_size in tk.SUPPORTED_BLOCK_SIZES and head_dim in tk.SUPPORTED_HEAD_DIMS
+        if supported:
             return AttentionKernels(
                 "triton", write_kv, tk.triton_paged_decode, tk.triton_paged_prefill, False
             )
-    elif native and cache.dtype == torch.bfloat16:
-        ops = cpu_ops.load()
+        if backend == "triton":
+            raise ValueError(f"no Triton kernel for block size {block_size}, head dim {head_dim}")
+    elif backend == "native" or (backend is None and native and cache.dtype == torch.bfloat16):
+        ops = cpu_ops.load() if cache.dtype == torch.bfloat16 and not cache.is_cuda else None
         if ops is not None:
 
             def decode(
@@ -251,4 +262,6 @@ def attention_kernels(cache: torch.Tensor, native: bool = True) -> AttentionKern
                 return ops.paged_decode(q, k_cache, v_cache, block_tables, seq_lens)
 
             return AttentionKernels("native", ops.write_kv, decode, paged_prefill, False)
+        if backend == "native":
+            raise ValueError("the native kernels need a bfloat16 CPU cache and a C compiler")
     return TORCH_KERNELS
