@@ -11,11 +11,11 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from s3_bucket import S3Bucket
 
 from hotpool.worker.snapshot import gguf as gguf_convert
 from hotpool.worker.snapshot import pull
@@ -88,17 +88,6 @@ def hf_smollm2_model(smollm2_gguf: Path) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
     ).eval()
-
-
-@dataclass(frozen=True)
-class S3Bucket:
-    """An empty bucket on the loopback S3 server; boto3 in this test reaches it by default."""
-
-    endpoint_url: str
-    name: str
-
-    def uri(self, path: str = "") -> str:
-        return f"s3://{self.name}/{path}".rstrip("/")
 
 
 @pytest.fixture(scope="session")

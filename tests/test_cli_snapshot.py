@@ -11,7 +11,7 @@ import boto3
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from conftest import S3Bucket
+from s3_bucket import S3Bucket
 from safetensors.torch import save_file
 
 from hotpool.cli import main

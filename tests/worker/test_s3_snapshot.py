@@ -12,7 +12,7 @@ from typing import Any
 import boto3
 import pytest
 import torch
-from conftest import S3Bucket
+from s3_bucket import S3Bucket
 from test_s3_store import DroppingBody, make_store, payload, record_gets
 from test_snapshot_cache import cache_entries
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import botocore.exceptions as bce
 import pytest
-from conftest import S3Bucket
+from s3_bucket import S3Bucket
 
 from hotpool.settings import load_settings
 from hotpool.worker.snapshot.errors import ObjectNotFoundError, SnapshotError
