@@ -87,7 +87,8 @@ def start_s3() -> object:
 def one_get_per_file(uri: str) -> tuple[ObjectStore, str]:
     store, prefix = open_snapshot_uri(uri)
     if isinstance(store, S3ObjectStore):
-        store = S3ObjectStore(store.bucket, replace(store.config, part_bytes=1 << 30))
+        config = replace(store.config, part_bytes=1 << 30)
+        store = S3ObjectStore(store.bucket, config, client=store.client)  # the shared client
     return store, prefix
 
 
