@@ -51,4 +51,5 @@ class Replica:
             "cold_start_seconds": self.cold_start_seconds,
             "cold_start_phases": self.load.phases if self.load else None,
             "snapshot_cache_hit": self.load.cache_hit if self.load else None,
+            "weights_tier": self.load.tier if self.load else None,  # remote, disk or host
         }

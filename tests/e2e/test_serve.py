@@ -146,6 +146,10 @@ def test_idle_deployment_scales_to_zero_and_the_next_request_cold_starts(server:
     assert replica["state"] == "ready" and _alive(pid)
     phases = replica["cold_start_phases"]
     assert set(phases) == {"queue", "start", "fetch", "load", "warmup"}  # type: ignore[arg-type]
+    assert replica["weights_tier"] in ("remote", "disk")
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for phase in (*phases, "total"):  # type: ignore[union-attr]
+        assert f'hotpool_cold_start_seconds_count{{deployment="idle",phase="{phase}"}}' in metrics
 
     deadline = time.monotonic() + 30
     while _replicas(server, "idle") or _alive(pid):
