@@ -5,7 +5,6 @@ input checks."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -39,16 +38,6 @@ def assert_matches(freq: torch.Tensor, probs: torch.Tensor, draws: int) -> None:
     sigma = (probs * (1 - probs) / draws).sqrt()
     worst = ((freq - probs).abs() / (sigma + 1e-9)).max()
     assert worst < 5, f"frequency off by {worst:.1f} sigma\n{freq}\n{probs}"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """These tensors are small: one thread is as fast, and far faster on a busy machine,
-    where a second OpenMP thread waits for a core at every op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,6 @@ where there is one.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -24,16 +23,6 @@ from hotpool.kernels.sampling_reference import penalize
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
 BACKENDS = ["torch", "reference", "triton"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Small tensors, many ops: one thread is as fast, and far faster on a busy machine,
-    where a second OpenMP thread waits for a core at every op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def device_for(backend: str) -> torch.device:

@@ -23,16 +23,6 @@ DRAWS = 20_000
 P_MIN = 1e-3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Small tensors, many ops: one thread is as fast, and far faster on a busy machine,
-    where a second OpenMP thread waits for a core at every op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """The p-value of Pearson's chi-square test of ``counts`` against ``probs``.
 

@@ -6,7 +6,6 @@ rows take the first argmax; a seeded row's token does not depend on where it sit
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -28,16 +27,6 @@ NO_PENALTY = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_pen
 # near-uniform rows no float rounding decides the top-p crossing.
 TOP_P = [1.0, 0.9137, 0.5771, 0.3119, 0.0133, 0.7431, 0.6623]
 SCALES = [1e-30, 1e-6, 1.0, 8.0, 1e4, 1e30, 1e37]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Small tensors, many ops: one thread is as fast, and far faster on a busy machine,
-    where a second OpenMP thread waits for a core at every op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @st.composite

@@ -3,8 +3,6 @@ greedy token is the argmax of the reference's formulas, whatever the history."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -14,16 +12,6 @@ from hotpool.kernels.sampling_reference import penalize
 
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Small tensors, many ops: one thread is as fast, and far faster on a busy machine,
-    where a second OpenMP thread waits for a core at every op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_penalties_follow_the_reference_formulas_in_greedy_outcomes() -> None:

@@ -4,7 +4,6 @@ order, greedy rows, penalties, masks; and ``reference_sample``'s outputs and che
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,16 +13,6 @@ from hotpool.kernels.sampling_reference import penalize, reference_probs, refere
 
 P = [0.4, 0.3, 0.2, 0.1]
 LOGITS = torch.tensor([math.log(p) for p in P])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Small tensors, many ops: one thread is as fast, and far faster on a busy machine,
-    where a second OpenMP thread waits for a core at every op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def probs(row: SamplingRow, logits: torch.Tensor = LOGITS) -> list[float]:

@@ -10,11 +10,13 @@ from hotpool.worker.models.attention import ContiguousAttention, SequenceKVCache
 from hotpool.worker.models.llama import LlamaModel, convert_hf_state_dict
 
 
-def _logits(model: LlamaModel, ids: list[int], chunks: list[int]) -> torch.Tensor:
+def _logits(
+    model: LlamaModel, ids: list[int], chunks: list[int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Logits for every position, computing the sequence in the given chunk sizes."""
     cfg = model.config
     cache = SequenceKVCache(cfg.num_hidden_layers, len(ids), cfg.num_key_value_heads, cfg.head_dim,
-                            torch.float32, torch.device("cpu"))  # fmt: skip
+                            dtype, torch.device("cpu"))  # fmt: skip
     out, start = [], 0
     with torch.inference_mode():
         for n in chunks:
@@ -86,20 +88,6 @@ def test_prepacked_bf16_linears_compute_what_plain_ones_do() -> None:
     assert (outs[1].argmax(-1) == outs[0].argmax(-1)).all()
 
 
-def _bf16_logits(model: LlamaModel, ids: list[int], chunks: list[int]) -> torch.Tensor:
-    c = model.config
-    cache = SequenceKVCache(c.num_hidden_layers, len(ids), c.num_key_value_heads, c.head_dim,
-                            torch.bfloat16, torch.device("cpu"))  # fmt: skip
-    out, start = [], 0
-    with torch.inference_mode():
-        for n in chunks:
-            t = torch.tensor(ids[start : start + n])
-            hidden = model(t, torch.arange(start, start + n), ContiguousAttention(cache, start, n))
-            out.append(model.logits(hidden))
-            start += n
-    return torch.cat(out)
-
-
 def test_fused_cpu_kernels_compute_what_torch_ops_do_in_bf16() -> None:
     """bfloat16 on the CPU runs the fused C kernels; both paths stay as close to the float32
     model as bfloat16 allows, and to each other."""
@@ -115,7 +103,7 @@ def test_fused_cpu_kernels_compute_what_torch_ops_do_in_bf16() -> None:
     plain.native_ops = False
     got = {}
     for name, model in (("native", native), ("torch", plain)):
-        got[name] = _bf16_logits(model, ids, chunks)
+        got[name] = _logits(model, ids, chunks, torch.bfloat16)
         assert model.ops(torch.zeros(1, dtype=torch.bfloat16)).name == name
         torch.testing.assert_close(got[name], exact, atol=0.15, rtol=0.05)
     torch.testing.assert_close(got["native"], got["torch"], atol=0.1, rtol=0.05)
