@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from starlette.routing import Route
 from hotpool.billing.deployments import DeploymentExists, DeploymentSpec
 from hotpool.platform.errors import APIError, invalid
 from hotpool.platform.services import Services, read_json
+from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 FIELDS = {
@@ -44,11 +46,8 @@ def parse_deployment(body: Any, default_idle_timeout_s: float) -> DeploymentSpec
             "`snapshot_uri` must be a file:///absolute/path or s3://bucket/prefix URI",
             "snapshot_uri",
         )
-    if (
-        uri.startswith("file://")
-        and not (Path(uri.removeprefix("file://")) / "manifest.json").is_file()
-    ):
-        raise APIError(422, f"no snapshot at {uri} (manifest.json not found)", param="snapshot_uri")
+    if uri.startswith("file://"):
+        _check_local_snapshot(uri)
     min_r = _int(body, "min_replicas", 0, 0)
     max_r = _int(body, "max_replicas", 1, 1)
     if min_r > max_r:
@@ -125,3 +124,25 @@ routes = [
     Route("/v1/deployments", list_deployments, methods=["GET"]),
     Route("/v1/deployments/{name}", get_deployment, methods=["GET"]),
 ]
+
+
+def _check_local_snapshot(uri: str) -> None:
+    """A local snapshot is checked now (an s3:// one when its first replica loads it): it
+    must exist, have a manifest, and hold a model type the workers run. (The worker verifies
+    the manifest in full when it loads the snapshot.)"""
+    path = Path(uri.removeprefix("file://")) / "manifest.json"
+    if not path.is_file():
+        raise APIError(422, f"no snapshot at {uri} (manifest.json not found)", param="snapshot_uri")
+    try:
+        architecture = json.loads(path.read_text())["architecture"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise APIError(
+            422, f"snapshot at {uri} has an unreadable manifest.json", param="snapshot_uri"
+        ) from None
+    if architecture not in RUNNABLE_MODEL_TYPES:
+        raise APIError(
+            422,
+            f"snapshot at {uri} holds a {architecture!r} model; hotpool runs "
+            f"{', '.join(RUNNABLE_MODEL_TYPES)}",
+            param="snapshot_uri",
+        )

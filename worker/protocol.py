@@ -14,6 +14,11 @@ from typing import Any, Literal
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+# Model types (a snapshot manifest's ``architecture``, config.json's ``model_type``) that the
+# worker's model code runs; the control plane checks deployments against it without torch.
+RUNNABLE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
 @dataclass(frozen=True)
 class ChatMessage:
     role: str

@@ -3,6 +3,7 @@ SQLite ledger, a real local-process backend (no request here ever reaches a work
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -18,6 +19,7 @@ from hotpool.platform.app import build_services, create_app
 from hotpool.platform.services import Services
 from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig
 from hotpool.settings import load_settings
+from hotpool.worker.snapshot.manifest import build_manifest, write_manifest
 
 TOKEN = "test-worker-token"
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -50,10 +52,14 @@ def client(services: Services) -> Iterator[TestClient]:
 
 @pytest.fixture
 def snapshot(tmp_path: Path) -> Path:
-    """A folder the API accepts as a snapshot (it only checks for manifest.json)."""
-    folder = tmp_path / "objects" / "snapshots" / "tiny"
+    """A folder the API accepts as a snapshot: a manifest for a model type workers run."""
+    return _snapshot_folder(tmp_path / "objects" / "snapshots" / "tiny", "llama")
+
+
+def _snapshot_folder(folder: Path, model_type: str) -> Path:
     folder.mkdir(parents=True)
-    (folder / "manifest.json").write_text("{}")
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    write_manifest(folder, build_manifest(folder, architecture=model_type, dtype="bf16"))
     return folder
 
 
@@ -244,6 +250,17 @@ def test_missing_snapshot_is_422(client: TestClient, tmp_path: Path) -> None:
     empty = tmp_path / "empty-snapshot"
     empty.mkdir()
     error_of(deploy(client, empty), 422)
+    broken = tmp_path / "broken-snapshot"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{}")
+    assert "manifest" in error_of(deploy(client, broken), 422)["message"]
+
+
+def test_a_model_type_workers_cannot_run_is_422(client: TestClient, tmp_path: Path) -> None:
+    err = error_of(deploy(client, _snapshot_folder(tmp_path / "gpt2", "gpt2")), 422)
+    assert err["param"] == "snapshot_uri"
+    assert "'gpt2'" in err["message"] and "llama" in err["message"]
+    assert client.get("/v1/deployments").json()["data"] == []  # nothing was created
     assert client.get("/v1/deployments").json()["data"] == []
 
 
