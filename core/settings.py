@@ -40,6 +40,7 @@ class Settings:
     port: int = 8000
     device: str = "auto"
     max_workers: int = 2
+    warm_workers: int = 1  # idle workers (no model) kept ready, within max_workers; 0 = off
     worker_start_timeout_s: float = 120.0
     default_idle_timeout_s: float = 300.0
     queue_timeout_s: float = 300.0
@@ -73,6 +74,13 @@ def _positive_int(raw: str) -> int:
     value = int(raw)
     if value < 1:
         raise ValueError("must be an integer >= 1")
+    return value
+
+
+def _non_negative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("must be an integer >= 0")
     return value
 
 
@@ -163,6 +171,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         port=_parse(env, "HOTPOOL_PORT", 8000, _port),
         device=_parse(env, "HOTPOOL_DEVICE", "auto", _one_of(DEVICES)),
         max_workers=_parse(env, "HOTPOOL_MAX_WORKERS", 2, _positive_int),
+        warm_workers=_parse(env, "HOTPOOL_WARM_WORKERS", 1, _non_negative_int),
         worker_start_timeout_s=_parse(
             env, "HOTPOOL_WORKER_START_TIMEOUT_S", 120.0, _positive_float
         ),

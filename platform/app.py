@@ -44,6 +44,7 @@ def build_services(
         worker_token,
         settings.max_workers,
         settings.worker_start_timeout_s,
+        warm_workers=settings.warm_workers,
         on_scale=_log_scale,
     )
     metrics = Metrics(pool)
@@ -93,6 +94,7 @@ def create_app(services: Services) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         services.ledger_writer.start()
+        services.pool.start()  # fill the warm pool in the background
         scaler = asyncio.create_task(services.autoscaler.run(), name="autoscaler")
         try:
             yield

@@ -41,9 +41,13 @@ class _PoolCollector(Collector):
             for state in ReplicaState:
                 g.add_metric([deployment, state.value], counts.get((deployment, state.value), 0))
         yield g
-        w = GaugeMetricFamily("hotpool_workers", "Worker processes held by the pool")
-        w.add_metric([], len(self.pool.replicas()))
+        idle = len(self.pool.idle_workers())
+        w = GaugeMetricFamily("hotpool_workers", "Worker processes of replicas and idle workers")
+        w.add_metric([], len(self.pool.replicas()) + idle)
         yield w
+        i = GaugeMetricFamily("hotpool_idle_workers", "Warm workers holding no model")
+        i.add_metric([], idle)
+        yield i
 
 
 class Metrics:

@@ -19,6 +19,7 @@ def test_defaults_live_under_hotpool_home(tmp_path: Path) -> None:
     assert s.cache_dir == tmp_path.resolve() / "cache"
     assert (s.host, s.port, s.device, s.log_level) == ("127.0.0.1", 8000, "auto", "info")
     assert s.max_workers == 2
+    assert s.warm_workers == 1
     assert s.default_idle_timeout_s == 300.0
     assert s.worker_token is None
 
@@ -53,6 +54,7 @@ def test_every_setting_is_read(tmp_path: Path) -> None:
             "HOTPOOL_PORT": "0",
             "HOTPOOL_DEVICE": " CUDA ",
             "HOTPOOL_MAX_WORKERS": "8",
+            "HOTPOOL_WARM_WORKERS": "3",
             "HOTPOOL_WORKER_START_TIMEOUT_S": "30",
             "HOTPOOL_IDLE_TIMEOUT_S": "0.5",
             "HOTPOOL_QUEUE_TIMEOUT_S": "10",
@@ -65,7 +67,7 @@ def test_every_setting_is_read(tmp_path: Path) -> None:
     assert s.object_store_url == "file:///srv/objects"  # a bare path becomes a file:// URL
     assert s.cache_dir == (tmp_path / "c").resolve()
     assert (s.host, s.port, s.device, s.log_level) == ("0.0.0.0", 0, "cuda", "debug")
-    assert (s.max_workers, s.max_queue) == (8, 3)
+    assert (s.max_workers, s.warm_workers, s.max_queue) == (8, 3, 3)
     assert (s.worker_start_timeout_s, s.default_idle_timeout_s, s.queue_timeout_s) == (30, 0.5, 10)
     assert s.worker_token == "secret"
 
@@ -93,6 +95,8 @@ def test_settings_are_frozen_and_hide_the_token(tmp_path: Path) -> None:
         ("HOTPOOL_MAX_WORKERS", "0"),
         ("HOTPOOL_MAX_WORKERS", "two"),
         ("HOTPOOL_MAX_QUEUE", "-3"),
+        ("HOTPOOL_WARM_WORKERS", "-1"),
+        ("HOTPOOL_WARM_WORKERS", "one"),
         ("HOTPOOL_DEVICE", "tpu"),
         ("HOTPOOL_LOG_LEVEL", "verbose"),
         ("HOTPOOL_IDLE_TIMEOUT_S", "-1"),
@@ -123,5 +127,11 @@ def test_messages_say_what_is_expected(tmp_path: Path) -> None:
     assert "65535" in error("HOTPOOL_PORT", "70000")
     assert "cpu" in error("HOTPOOL_DEVICE", "tpu")
     assert ">= 1" in error("HOTPOOL_MAX_WORKERS", "0")
+    assert ">= 0" in error("HOTPOOL_WARM_WORKERS", "-1")
     assert "> 0" in error("HOTPOOL_IDLE_TIMEOUT_S", "-1")
     assert "absolute path" in error("HOTPOOL_OBJECT_STORE", "relative/path")
+
+
+def test_warm_workers_can_be_turned_off(tmp_path: Path) -> None:
+    s = load_settings({"HOTPOOL_HOME": str(tmp_path), "HOTPOOL_WARM_WORKERS": "0"})
+    assert s.warm_workers == 0

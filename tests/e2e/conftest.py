@@ -2,48 +2,21 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
-from server_process import Server, free_port
+from server_process import Server, running_server
 
 
 @pytest.fixture(scope="session")
 def server(
     tmp_path_factory: pytest.TempPathFactory, smollm2_snapshot_bf16: Path
 ) -> Iterator[Server]:
+    """Without a warm pool: every cold start starts a worker process, every release stops it
+    (tests/e2e/test_warm_pool.py runs its own server with one)."""
     home = tmp_path_factory.mktemp("hotpool-home")
-    port = free_port()
-    env = {
-        **os.environ,
-        "HOTPOOL_HOME": str(home),
-        "HOTPOOL_PORT": str(port),
-        "HOTPOOL_DEVICE": "cpu",
-        "HOTPOOL_MAX_WORKERS": "2",
-    }
     uri = f"file://{smollm2_snapshot_bf16}"
-    with open(home / "serve.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hotpool", "serve", "--deploy", f"smollm2={uri}"],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    srv = Server(f"http://127.0.0.1:{port}", home, uri, proc)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{srv.url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"hotpool serve did not start:\n{srv.log()}")
-        time.sleep(0.2)
-    yield srv
-    proc.terminate()
-    proc.wait(timeout=60)
+    env = {"HOTPOOL_MAX_WORKERS": "2", "HOTPOOL_WARM_WORKERS": "0"}
+    with running_server(home, uri, env, f"smollm2={uri}") as srv:
+        yield srv

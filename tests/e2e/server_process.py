@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from hotpool.billing.db import Database
 from hotpool.billing.ledger import Ledger, UsageRecord
@@ -42,3 +48,41 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_server(
+    home: Path, snapshot_uri: str, env: dict[str, str], *deploy: str
+) -> Iterator[Server]:
+    """``hotpool serve`` on a free port with ``HOTPOOL_HOME=home`` and ``env`` on top of the
+    CPU defaults; ``deploy``: ``name=uri`` arguments. Stopped (SIGTERM) on exit."""
+    port = free_port()
+    full_env = {
+        **os.environ,
+        "HOTPOOL_HOME": str(home),
+        "HOTPOOL_PORT": str(port),
+        "HOTPOOL_DEVICE": "cpu",
+        **env,
+    }
+    args = [a for spec in deploy for a in ("--deploy", spec)]
+    with open(home / "serve.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hotpool", "serve", *args],
+            env=full_env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    srv = Server(f"http://127.0.0.1:{port}", home, snapshot_uri, proc)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{srv.url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"hotpool serve did not start:\n{srv.log()}")
+            time.sleep(0.2)
+        yield srv
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

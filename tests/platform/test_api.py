@@ -27,7 +27,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture
 def services(tmp_path: Path) -> Iterator[Services]:
-    settings = load_settings({"HOTPOOL_HOME": str(tmp_path)})
+    settings = load_settings({"HOTPOOL_HOME": str(tmp_path), "HOTPOOL_WARM_WORKERS": "0"})
     db = Database(settings.database_url)
     db.upgrade()
     backend = LocalProcessBackend(
