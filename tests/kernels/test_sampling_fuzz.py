@@ -125,20 +125,26 @@ def check(logits: torch.Tensor, rows: list[SamplingRow], backend: str) -> None:
 
 @pytest.mark.parametrize(("backend", "examples"), [("torch", 150), ("reference", 60)])
 def test_every_token_is_valid_and_kept_by_the_filters(backend: str, examples: int) -> None:
-    @settings(max_examples=examples, deadline=None)
+    # Derandomized, with torch's generator seeded per example: unseeded rows draw from it,
+    # and a failure must replay. (A rare one seen at 3,000 random examples: near-uniform
+    # logits of scale 1e-6 with top_p=0.31 drew a token just outside the float64 nucleus,
+    # where float32 weights tie; to be looked into.)
+    @settings(max_examples=examples, deadline=None, derandomize=True)
     @given(batches())
     def run(batch: tuple[torch.Tensor, list[SamplingRow]]) -> None:
+        torch.manual_seed(0)
         check(*batch, backend)
 
     run()
 
 
 @pytest.mark.slow
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50, deadline=None, derandomize=True)  # replayable: see above
 @given(batches())
 def test_every_triton_token_is_valid_and_kept_by_the_filters(
     batch: tuple[torch.Tensor, list[SamplingRow]],
 ) -> None:
+    torch.manual_seed(0)
     check(*batch, "triton")
 
 

@@ -1,14 +1,13 @@
-"""Triton paged attention against the torch reference, run by Triton's CPU interpreter."""
+"""Triton paged attention against the torch reference: compiled on CUDA, and in Triton's CPU
+interpreter elsewhere (tests/kernels/conftest.py sets ``TRITON_INTERPRET=1`` without a GPU).
+
+Cases are built on the CPU; ``_decode`` and ``_prefill`` run the kernels on ``DEVICE``.
+"""
 
 from __future__ import annotations
 
-import os
-
-# Must be set before the kernel module is first imported in this process: `triton.jit` reads
-# it when it wraps the kernels, and with it they run in numpy on the CPU, so no GPU is needed.
-os.environ["TRITON_INTERPRET"] = "1"
-
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +17,22 @@ from hotpool.kernels.triton_paged_attention import (
     triton_paged_decode,
     triton_paged_prefill,
 )
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _on_device(kernel: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+    return kernel(*moved).cpu()
+
+
+def _decode(*args: Any) -> torch.Tensor:
+    return _on_device(triton_paged_decode, *args)
+
+
+def _prefill(*args: Any) -> torch.Tensor:
+    return _on_device(triton_paged_prefill, *args)
+
 
 NB, BS, D = 40, 16, 64
 LENS = [1, 15, 16, 17, 33, 70]  # one token, partial, exactly full, one over, several blocks
@@ -59,7 +74,7 @@ def _decode_case(
 @pytest.mark.parametrize(("n_heads", "n_kv"), [(2, 2), (4, 2), (6, 2), (8, 1)])
 def test_decode_matches_reference_in_fp32_for_gqa_ratios_1_2_3_8(n_heads: int, n_kv: int) -> None:
     args = _decode_case(n_heads, n_kv, torch.float32)
-    out = triton_paged_decode(*args)
+    out = _decode(*args)
     assert out.shape == args[0].shape and out.dtype == torch.float32
     torch.testing.assert_close(out, paged_decode(*args), atol=1e-4, rtol=1e-4)
 
@@ -67,7 +82,7 @@ def test_decode_matches_reference_in_fp32_for_gqa_ratios_1_2_3_8(n_heads: int, n
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_matches_reference_in_half_precision(dtype: torch.dtype) -> None:
     args = _decode_case(4, 2, dtype, seed=1)
-    out = triton_paged_decode(*args)
+    out = _decode(*args)
     assert out.dtype == dtype
     torch.testing.assert_close(out, paged_decode(*args), atol=3e-2, rtol=3e-2)
 
@@ -77,7 +92,7 @@ def test_decode_query_head_reads_kv_head_h_div_group() -> None:
     k_cache, v_cache = _cache(2, torch.float32, gen)
     v_cache[0], v_cache[1] = 10.0, 20.0  # every value of KV head h is 10 * (h + 1)
     q = torch.randn(len(LENS), 6, D, generator=gen)
-    out = triton_paged_decode(q, k_cache, v_cache, _tables(LENS, gen), torch.tensor(LENS))
+    out = _decode(q, k_cache, v_cache, _tables(LENS, gen), torch.tensor(LENS))
     expected = torch.tensor([10.0, 10.0, 10.0, 20.0, 20.0, 20.0])
     torch.testing.assert_close(out[:, :, 0], expected.expand(len(LENS), 6))
 
@@ -95,7 +110,7 @@ def test_decode_ignores_padding_entries_and_stale_slots_past_the_end() -> None:
         last = clean[i, (n - 1) // BS]
         k_cache[:, last, (n - 1) % BS + 1 :] = float("nan")
         v_cache[:, last, (n - 1) % BS + 1 :] = float("nan")
-    out = triton_paged_decode(q, k_cache, v_cache, poisoned, torch.tensor(LENS))
+    out = _decode(q, k_cache, v_cache, poisoned, torch.tensor(LENS))
     torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
 
 
@@ -107,7 +122,7 @@ def test_decode_reads_strided_inputs() -> None:
     ]  # a table with a column stride of 2
     lens32 = torch.stack([lens, -lens], dim=1).int()[:, 0]
     assert not qkv[:, :4].is_contiguous() and not wide.is_contiguous()
-    out = triton_paged_decode(qkv[:, :4], k_cache, v_cache, wide, lens32)
+    out = _decode(qkv[:, :4], k_cache, v_cache, wide, lens32)
     torch.testing.assert_close(
         out, paged_decode(q, k_cache, v_cache, tables, lens), atol=1e-4, rtol=1e-4
     )
@@ -127,13 +142,13 @@ def _prefill_case(
 @pytest.mark.parametrize(("start", "t"), [(0, 1), (0, 21), (5, 33), (16, 16), (37, 20)])
 def test_prefill_matches_reference_in_fp32(start: int, t: int) -> None:
     args = _prefill_case(start, t, torch.float32)
-    out = triton_paged_prefill(*args)
+    out = _prefill(*args)
     torch.testing.assert_close(out, paged_prefill(*args), atol=1e-4, rtol=1e-4)
 
 
 def test_prefill_matches_reference_with_gqa_ratio_3_in_bf16() -> None:
     args = _prefill_case(9, 19, torch.bfloat16, n_heads=6, n_kv=2)
-    out = triton_paged_prefill(*args)
+    out = _prefill(*args)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, paged_prefill(*args), atol=3e-2, rtol=3e-2)
 
@@ -146,7 +161,7 @@ def test_prefill_never_sees_keys_after_the_query_or_past_the_table_end() -> None
     k_cache[:, last, (end - 1) % BS + 1 :] = float("nan")
     v_cache[:, last, (end - 1) % BS + 1 :] = float("nan")
     padded = torch.cat([table, table.new_full((3,), -1)])  # unused trailing entries
-    out = triton_paged_prefill(q, k_cache, v_cache, padded, start)
+    out = _prefill(q, k_cache, v_cache, padded, start)
     torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
 
 
@@ -156,19 +171,19 @@ _Q, _K, _V, _T, _L = _decode_case(4, 2, torch.float32)
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: triton_paged_decode(_Q.double(), _K, _V, _T, _L), "q dtype"),
-        (lambda: triton_paged_decode(_Q, _K.half(), _V, _T, _L), "share a dtype"),
-        (lambda: triton_paged_decode(_Q, _K[0], _V[0], _T, _L), "num_kv_heads, num_blocks"),
-        (lambda: triton_paged_decode(_Q[..., :32], _K[..., :32], _V[..., :32], _T, _L), "head_dim"),
-        (lambda: triton_paged_decode(_Q, _K[:, :, :8], _V[:, :, :8], _T, _L), "block_size"),
-        (lambda: triton_paged_decode(_Q[:, :3], _K, _V, _T, _L), "not a multiple"),
-        (lambda: triton_paged_decode(_Q, _K, _V, _T.int(), _L), "block_tables dtype"),
-        (lambda: triton_paged_decode(_Q, _K, _V, _T[:2], _L), "block_tables must be"),
-        (lambda: triton_paged_decode(_Q, _K, _V, _T, _L.float()), "seq_lens dtype"),
-        (lambda: triton_paged_decode(_Q, _K, _V, _T, _L[:2]), "seq_lens must be"),
-        (lambda: triton_paged_prefill(_Q, _K, _V, _T[0], -1), "start"),
-        (lambda: triton_paged_prefill(_Q, _K, _V, _T, 0), "1-D"),
-        (lambda: triton_paged_prefill(_Q, _K, _V, _T[0, :1], 20), "need 2"),
+        (lambda: _decode(_Q.double(), _K, _V, _T, _L), "q dtype"),
+        (lambda: _decode(_Q, _K.half(), _V, _T, _L), "share a dtype"),
+        (lambda: _decode(_Q, _K[0], _V[0], _T, _L), "num_kv_heads, num_blocks"),
+        (lambda: _decode(_Q[..., :32], _K[..., :32], _V[..., :32], _T, _L), "head_dim"),
+        (lambda: _decode(_Q, _K[:, :, :8], _V[:, :, :8], _T, _L), "block_size"),
+        (lambda: _decode(_Q[:, :3], _K, _V, _T, _L), "not a multiple"),
+        (lambda: _decode(_Q, _K, _V, _T.int(), _L), "block_tables dtype"),
+        (lambda: _decode(_Q, _K, _V, _T[:2], _L), "block_tables must be"),
+        (lambda: _decode(_Q, _K, _V, _T, _L.float()), "seq_lens dtype"),
+        (lambda: _decode(_Q, _K, _V, _T, _L[:2]), "seq_lens must be"),
+        (lambda: _prefill(_Q, _K, _V, _T[0], -1), "start"),
+        (lambda: _prefill(_Q, _K, _V, _T, 0), "1-D"),
+        (lambda: _prefill(_Q, _K, _V, _T[0, :1], 20), "need 2"),
     ],
 )
 def test_wrappers_reject_bad_inputs_with_a_clear_error(
@@ -181,4 +196,4 @@ def test_wrappers_reject_bad_inputs_with_a_clear_error(
 def test_wrappers_reject_a_cache_not_dense_in_head_dim() -> None:
     k = torch.randn(2, NB, BS, D * 2)[..., ::2]
     with pytest.raises(ValueError, match="contiguous in head_dim"):
-        triton_paged_decode(_Q, k, _V, _T, _L)
+        _decode(_Q, k, _V, _T, _L)
