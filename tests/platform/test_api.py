@@ -3,7 +3,6 @@ SQLite ledger, a real local-process backend (no request here ever reaches a work
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from snapshot_folders import snapshot_folder
 from starlette.testclient import TestClient
 
 from hotpool.billing.db import Database
@@ -19,7 +19,6 @@ from hotpool.platform.app import build_services, create_app
 from hotpool.platform.services import Services
 from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig
 from hotpool.settings import load_settings
-from hotpool.worker.snapshot.manifest import build_manifest, write_manifest
 
 TOKEN = "test-worker-token"
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -53,14 +52,7 @@ def client(services: Services) -> Iterator[TestClient]:
 @pytest.fixture
 def snapshot(tmp_path: Path) -> Path:
     """A folder the API accepts as a snapshot: a manifest for a model type workers run."""
-    return _snapshot_folder(tmp_path / "objects" / "snapshots" / "tiny", "llama")
-
-
-def _snapshot_folder(folder: Path, model_type: str) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
-    write_manifest(folder, build_manifest(folder, architecture=model_type, dtype="bf16"))
-    return folder
+    return snapshot_folder(tmp_path / "objects" / "snapshots" / "tiny")
 
 
 def error_of(r: httpx.Response, status: int) -> dict[str, Any]:
@@ -257,7 +249,7 @@ def test_missing_snapshot_is_422(client: TestClient, tmp_path: Path) -> None:
 
 
 def test_a_model_type_workers_cannot_run_is_422(client: TestClient, tmp_path: Path) -> None:
-    err = error_of(deploy(client, _snapshot_folder(tmp_path / "gpt2", "gpt2")), 422)
+    err = error_of(deploy(client, snapshot_folder(tmp_path / "gpt2", model_type="gpt2")), 422)
     assert err["param"] == "snapshot_uri"
     assert "'gpt2'" in err["message"] and "llama" in err["message"]
     assert client.get("/v1/deployments").json()["data"] == []  # nothing was created

@@ -13,12 +13,13 @@ import boto3
 import pytest
 import torch
 from s3_bucket import S3Bucket
+from snapshot_folders import snapshot_folder
 from test_s3_store import DroppingBody, make_store, payload, record_gets
 from test_snapshot_cache import cache_entries
 
 from hotpool.worker.snapshot.cache import SnapshotCache
 from hotpool.worker.snapshot.errors import SnapshotError
-from hotpool.worker.snapshot.manifest import MANIFEST_NAME, build_manifest, write_manifest
+from hotpool.worker.snapshot.manifest import MANIFEST_NAME, build_manifest
 from hotpool.worker.snapshot.s3 import S3ObjectStore, parse_s3_uri
 from hotpool.worker.snapshot.store import push_snapshot
 
@@ -26,18 +27,9 @@ PART = 64 << 10
 WEIGHTS = payload(300 << 10)  # five 64 KiB ranged GETs
 
 
-def make_hf_folder(folder: Path) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
-    (folder / "model.safetensors").write_bytes(WEIGHTS)
-    (folder / "tokenizer.json").write_text('{"model": {}}')
-    write_manifest(folder, build_manifest(folder, "llama", "bf16"))
-    return folder
-
-
 @pytest.fixture
 def local(tmp_path: Path) -> Path:
-    return make_hf_folder(tmp_path / "local")
+    return snapshot_folder(tmp_path / "local", WEIGHTS)
 
 
 @pytest.fixture

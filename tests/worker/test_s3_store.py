@@ -12,6 +12,7 @@ from typing import Any
 import botocore.exceptions as bce
 import pytest
 from s3_bucket import S3Bucket
+from snapshot_folders import check_store_contract
 
 from hotpool.settings import load_settings
 from hotpool.worker.snapshot.errors import ObjectNotFoundError, SnapshotError
@@ -76,25 +77,7 @@ def store(s3_bucket: S3Bucket) -> S3ObjectStore:
 
 
 def test_round_trip_list_exists_and_delete(store: S3ObjectStore, tmp_path: Path) -> None:
-    src = tmp_path / "src.bin"
-    src.write_bytes(b"abc" * 1000)
-    for key in ("snaps/a/model.bin", "snaps/a/sub/x.json", "snaps/ab/model.bin"):
-        store.upload(src, key)
-    chunks: list[bytes] = []
-
-    store.download("snaps/a/model.bin", tmp_path / "out" / "m.bin", chunks.append)
-
-    assert store.get_bytes("snaps/a/model.bin") == b"abc" * 1000
-    assert b"".join(chunks) == (tmp_path / "out" / "m.bin").read_bytes() == b"abc" * 1000
-    assert store.list("snaps/a/") == ["snaps/a/model.bin", "snaps/a/sub/x.json"]
-    assert store.list("snaps/a") == [
-        "snaps/a/model.bin",
-        "snaps/a/sub/x.json",
-        "snaps/ab/model.bin",
-    ]
-    assert store.exists("snaps/a/model.bin") and not store.exists("snaps/a")
-    store.delete_prefix("snaps/a/")
-    assert store.list("") == ["snaps/ab/model.bin"]
+    check_store_contract(store, tmp_path)
     store.delete(["snaps/ab/model.bin", "snaps/never-there"])
     assert store.list("") == []
     with pytest.raises(ObjectNotFoundError, match=r"s3://hotpool-\w+/snaps/a/model.bin"):

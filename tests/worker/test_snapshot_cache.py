@@ -6,11 +6,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
+from snapshot_folders import check_store_contract, snapshot_folder
 
 from hotpool.worker.snapshot import store as store_module
 from hotpool.worker.snapshot.cache import LOCKS_DIR, SnapshotCache
-from hotpool.worker.snapshot.errors import ObjectNotFoundError, SnapshotError
-from hotpool.worker.snapshot.manifest import MANIFEST_NAME, build_manifest, write_manifest
+from hotpool.worker.snapshot.errors import SnapshotError
+from hotpool.worker.snapshot.manifest import MANIFEST_NAME
 from hotpool.worker.snapshot.s3 import S3ObjectStore
 from hotpool.worker.snapshot.store import (
     FileObjectStore,
@@ -66,47 +67,17 @@ def cache_entries(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name != LOCKS_DIR)
 
 
-def make_local_snapshot(folder: Path, weights: bytes = b"w" * 5000) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text('{"hidden_size": 8}')
-    (folder / "model.safetensors").write_bytes(weights)
-    (folder / "tokenizer.json").write_text('{"model": {}}')
-    write_manifest(folder, build_manifest(folder, "llama", "bf16"))
-    return folder
-
-
 @pytest.fixture
 def pushed(tmp_path: Path) -> str:
     """URI of a small snapshot pushed into a file:// store."""
     uri = f"file://{tmp_path}/objects/snapshots/tiny"
-    push_snapshot(make_local_snapshot(tmp_path / "local"), uri)
+    push_snapshot(snapshot_folder(tmp_path / "local"), uri)
     return uri
 
 
 def test_file_store_round_trip_list_and_delete(tmp_path: Path) -> None:
     store = FileObjectStore(tmp_path / "root")
-    src = tmp_path / "src.bin"
-    src.write_bytes(b"abc" * 1000)
-
-    store.upload(src, "snaps/a/model.bin")
-    store.upload(src, "snaps/a/sub/x.json")
-    store.upload(src, "snaps/ab/model.bin")
-    chunks: list[bytes] = []
-    store.download("snaps/a/model.bin", tmp_path / "out" / "m.bin", chunks.append)
-
-    assert store.get_bytes("snaps/a/model.bin") == b"abc" * 1000
-    assert b"".join(chunks) == (tmp_path / "out" / "m.bin").read_bytes() == b"abc" * 1000
-    assert store.list("snaps/a/") == ["snaps/a/model.bin", "snaps/a/sub/x.json"]
-    assert store.list("snaps/a") == [
-        "snaps/a/model.bin",
-        "snaps/a/sub/x.json",
-        "snaps/ab/model.bin",
-    ]
-    assert store.exists("snaps/a/model.bin") and not store.exists("snaps/a")
-    store.delete_prefix("snaps/a/")
-    assert store.list("snaps/") == ["snaps/ab/model.bin"]
-    with pytest.raises(ObjectNotFoundError):
-        store.get_bytes("snaps/a/model.bin")
+    check_store_contract(store, tmp_path)
     with pytest.raises(SnapshotError, match="invalid object key"):
         store.get_bytes("../outside")
 
@@ -134,7 +105,7 @@ def test_push_uploads_the_manifest_last_after_removing_the_old_one(
     recorder = CountingStore(FileObjectStore(target))
     monkeypatch.setattr(store_module, "open_snapshot_uri", lambda uri: (recorder, ""))
 
-    manifest = push_snapshot(make_local_snapshot(tmp_path / "local"), f"file://{target}")
+    manifest = push_snapshot(snapshot_folder(tmp_path / "local"), f"file://{target}")
 
     assert recorder.calls[0] == ("delete_prefix", MANIFEST_NAME)
     assert recorder.calls[-1] == ("upload", MANIFEST_NAME)

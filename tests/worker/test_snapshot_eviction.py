@@ -8,14 +8,15 @@ import os
 from pathlib import Path
 
 import pytest
-from test_snapshot_cache import cache_entries, make_local_snapshot
+from snapshot_folders import snapshot_bytes, snapshot_folder
+from test_snapshot_cache import cache_entries
 
 from hotpool.settings import load_settings
 from hotpool.worker.snapshot import locks
 from hotpool.worker.snapshot.cache import LOCKS_DIR, SnapshotCache
 from hotpool.worker.snapshot.store import push_snapshot
 
-SIZE = 5000 + 18 + 13  # weights + config.json + tokenizer.json of make_local_snapshot
+SIZE = snapshot_bytes()  # one of the snapshots below
 BUDGET_FOR_TWO = 2 * SIZE + 100
 
 
@@ -25,7 +26,7 @@ def uris(tmp_path: Path) -> dict[str, str]:
     out = {}
     for name in "abcd":
         uri = f"file://{tmp_path}/objects/{name}"
-        push_snapshot(make_local_snapshot(tmp_path / "local" / name, name.encode() * 5000), uri)
+        push_snapshot(snapshot_folder(tmp_path / "local" / name, name.encode() * 5000), uri)
         out[name] = uri
     return out
 

@@ -9,6 +9,7 @@ reference that tests compare against.
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -255,18 +256,15 @@ def attention_kernels(
     elif backend == "native" or (backend is None and native and cache.dtype == torch.bfloat16):
         ops = cpu_ops.load() if cache.dtype == torch.bfloat16 and not cache.is_cuda else None
         if ops is not None:
-
-            def decode(
-                q: torch.Tensor,
-                k_cache: torch.Tensor,
-                v_cache: torch.Tensor,
-                block_tables: torch.Tensor,
-                seq_lens: torch.Tensor,
-                key_bias: torch.Tensor | None = None,
-            ) -> torch.Tensor:
-                return ops.paged_decode(q, k_cache, v_cache, block_tables, seq_lens)
-
+            # The C kernel reads the sequence lengths; it needs no key bias.
+            decode = functools.partial(_without_key_bias, ops.paged_decode)
             return AttentionKernels("native", ops.write_kv, decode, paged_prefill, False)
         if backend == "native":
             raise ValueError("the native kernels need a bfloat16 CPU cache and a C compiler")
     return TORCH_KERNELS
+
+
+def _without_key_bias(
+    kernel: Callable[..., torch.Tensor], *args: torch.Tensor, key_bias: object = None
+) -> torch.Tensor:
+    return kernel(*args[:5])
