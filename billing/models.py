@@ -1,4 +1,4 @@
-"""SQLAlchemy models of the ledger: tenants, deployments and usage events.
+"""SQLAlchemy models of the ledger: tenants, deployments, usage events and scale events.
 
 The Alembic migrations in ``hotpool.migrations.versions`` are written by hand and must agree
 with these models; ``tests/billing/test_migrations.py`` checks that they do. Constraint names
@@ -138,3 +138,32 @@ class UsageEvent(Base):
     cold_start: Mapped[bool] = mapped_column(default=False)
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+
+
+class ScaleEvent(Base):
+    """One autoscaler decision to change a deployment's replica count.
+
+    Kept so operators can see why and how fast a deployment scaled. A scale-up's
+    ``cold_start_seconds`` (or ``error``) is filled in later, once the replica is ready or
+    its start failed.
+    """
+
+    __tablename__ = "scale_events"
+    __table_args__ = (
+        CheckConstraint("from_replicas >= 0", name="from_replicas_nonnegative"),
+        CheckConstraint("to_replicas >= 0", name="to_replicas_nonnegative"),
+        CheckConstraint("from_replicas <> to_replicas", name="replicas_changed"),
+        CheckConstraint("cold_start_seconds >= 0", name="cold_start_seconds_nonnegative"),
+        # "The latest events of a deployment" and counts since a time filter on both.
+        Index(None, "deployment", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    # The name, not a foreign key: the history outlives a deleted deployment.
+    deployment: Mapped[str] = mapped_column(String(128))
+    from_replicas: Mapped[int] = mapped_column(Integer)
+    to_replicas: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(String(256))
+    cold_start_seconds: Mapped[float | None] = mapped_column(Float)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

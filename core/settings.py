@@ -42,6 +42,10 @@ class Settings:
     max_workers: int = 2
     warm_workers: int = 1  # idle workers (no model) kept ready, within max_workers; 0 = off
     worker_start_timeout_s: float = 120.0
+    heartbeat_timeout_s: float = 15.0  # a worker silent this long is dead (it beats every 2s)
+    scale_down_window_s: float = 30.0  # scale down to the highest need seen over this window
+    preempt_after_s: float = 10.0  # a deployment waiting this long for a worker takes a busy one
+    worker_threads: int | None = None  # CPU threads per worker; None: cores / max_workers
     default_idle_timeout_s: float = 300.0
     queue_timeout_s: float = 300.0
     max_queue: int = 256
@@ -88,6 +92,13 @@ def _positive_float(raw: str) -> float:
     value = float(raw)
     if not (value > 0 and math.isfinite(value)):
         raise ValueError("must be a finite number > 0")
+    return value
+
+
+def _non_negative_float(raw: str) -> float:
+    value = float(raw)
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError("must be a finite number >= 0")
     return value
 
 
@@ -175,6 +186,10 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         worker_start_timeout_s=_parse(
             env, "HOTPOOL_WORKER_START_TIMEOUT_S", 120.0, _positive_float
         ),
+        heartbeat_timeout_s=_parse(env, "HOTPOOL_HEARTBEAT_TIMEOUT_S", 15.0, _positive_float),
+        scale_down_window_s=_parse(env, "HOTPOOL_SCALE_DOWN_WINDOW_S", 30.0, _non_negative_float),
+        preempt_after_s=_parse(env, "HOTPOOL_PREEMPT_AFTER_S", 10.0, _non_negative_float),
+        worker_threads=_parse(env, "HOTPOOL_WORKER_THREADS", None, _positive_int),
         default_idle_timeout_s=_parse(env, "HOTPOOL_IDLE_TIMEOUT_S", 300.0, _positive_float),
         queue_timeout_s=_parse(env, "HOTPOOL_QUEUE_TIMEOUT_S", 300.0, _positive_float),
         max_queue=_parse(env, "HOTPOOL_MAX_QUEUE", 256, _positive_int),

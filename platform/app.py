@@ -16,6 +16,7 @@ from starlette.routing import Route
 from hotpool.billing.db import Database
 from hotpool.billing.deployments import DeploymentStore
 from hotpool.billing.ledger import Ledger
+from hotpool.billing.scale_events import ScaleEventStore
 from hotpool.platform import deployments_api, internal_api, openai_routes, usage_api
 from hotpool.platform.catalog import DeploymentCatalog
 from hotpool.platform.errors import EXCEPTION_HANDLERS
@@ -24,11 +25,13 @@ from hotpool.platform.ledger_writer import LedgerWriter
 from hotpool.platform.metrics import Metrics
 from hotpool.platform.middleware import RequestIdMiddleware
 from hotpool.platform.router import Router
+from hotpool.platform.scale_log import ScaleEventWriter
 from hotpool.platform.services import Services
 from hotpool.pool.autoscaler import Autoscaler
 from hotpool.pool.backend import WorkerBackend
 from hotpool.pool.pool import ScaleEvent, WorkerPool
 from hotpool.pool.registry import WorkerRegistry
+from hotpool.pool.replica import Replica
 from hotpool.settings import Settings
 
 log = logging.getLogger("hotpool")
@@ -45,14 +48,31 @@ def build_services(
         settings.max_workers,
         settings.worker_start_timeout_s,
         warm_workers=settings.warm_workers,
-        on_scale=_log_scale,
+        heartbeat_timeout_s=settings.heartbeat_timeout_s,
+        preempt_after_s=settings.preempt_after_s,
     )
     metrics = Metrics(pool)
-    pool.on_ready = metrics.observe_cold_start
     catalog = DeploymentCatalog(DeploymentStore(db))
     router = Router(pool, settings.max_queue, settings.queue_timeout_s)
+    metrics.queued = router.queued
+    autoscaler = Autoscaler(
+        pool, catalog.all, router.queued, scale_down_window_s=settings.scale_down_window_s
+    )
+    router.on_demand = autoscaler.wake
     ledger = Ledger(db)
     writer = LedgerWriter(ledger)
+    scale_log = ScaleEventWriter(ScaleEventStore(db))
+
+    def on_scale(event: ScaleEvent) -> None:
+        _log_scale(event)
+        metrics.observe_scale(event)
+        scale_log.submit(event)
+
+    def on_ready(replica: Replica) -> None:
+        metrics.observe_cold_start(replica)
+        scale_log.cold_start_done(replica)
+
+    pool.on_scale, pool.on_ready = on_scale, on_ready
     return Services(
         settings=settings,
         db=db,
@@ -62,8 +82,9 @@ def build_services(
         pool=pool,
         router=router,
         ledger_writer=writer,
+        scale_events=scale_log,
         invoker=Invoker(router, pool.client, writer, metrics),
-        autoscaler=Autoscaler(pool, catalog.all),
+        autoscaler=autoscaler,
         metrics=metrics,
         worker_token=worker_token,
     )
@@ -94,6 +115,7 @@ def create_app(services: Services) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         services.ledger_writer.start()
+        services.scale_events.start()
         services.pool.start()  # fill the warm pool in the background
         scaler = asyncio.create_task(services.autoscaler.run(), name="autoscaler")
         try:
@@ -103,6 +125,7 @@ def create_app(services: Services) -> Starlette:
             await asyncio.gather(scaler, return_exceptions=True)
             await services.pool.shutdown()
             await services.ledger_writer.close()  # nothing metered is lost on a clean stop
+            await services.scale_events.close()
 
     routes = [
         Route("/healthz", healthz),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -12,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hotpool.billing.deployments import DeploymentExists, DeploymentSpec
+from hotpool.billing.scale_events import ScaleEventRecord
 from hotpool.platform.errors import APIError, invalid
 from hotpool.platform.services import Services, read_json
 from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES
@@ -119,10 +121,62 @@ async def get_deployment(request: Request) -> Response:
     return JSONResponse(deployment_json(spec, services))
 
 
+async def list_scale_events(request: Request) -> Response:
+    """``GET /v1/deployments/{name}/events?limit=&before=``: scale events, newest first."""
+    services: Services = request.app.state.services
+    name = request.path_params["name"]
+    if services.catalog.get(name) is None:
+        raise APIError(404, f"deployment {name!r} does not exist", code="deployment_not_found")
+    limit = _query_int(request, "limit", 100, 1, 1000)
+    before = _query_int(request, "before", None, 1, None)
+    await services.scale_events.flush()  # what the pool just did is in the answer
+    events = await asyncio.to_thread(services.scale_events.store.list, name, limit + 1, before)
+    page = events[:limit]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [_event_json(e) for e in page],
+            "has_more": len(events) > limit,
+            "next_before": page[-1].id if len(events) > limit else None,
+        }
+    )
+
+
+def _event_json(e: ScaleEventRecord) -> dict[str, Any]:
+    return {
+        "object": "scale_event",
+        "id": e.id,
+        "deployment": e.deployment,
+        "from_replicas": e.from_replicas,
+        "to_replicas": e.to_replicas,
+        "reason": e.reason,
+        "cold_start_seconds": e.cold_start_seconds,
+        "error": e.error,
+        "created_at": int(e.created_at.timestamp()) if e.created_at else None,
+    }
+
+
+def _query_int(
+    request: Request, name: str, default: int | None, low: int, high: int | None
+) -> int | None:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise invalid(f"`{name}` must be an integer {bound}", name)
+    return value
+
+
 routes = [
     Route("/v1/deployments", create_deployment, methods=["POST"]),
     Route("/v1/deployments", list_deployments, methods=["GET"]),
     Route("/v1/deployments/{name}", get_deployment, methods=["GET"]),
+    Route("/v1/deployments/{name}/events", list_scale_events, methods=["GET"]),
 ]
 
 

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 
@@ -28,6 +28,8 @@ from hotpool.worker.protocol import GenerateEvent, GenerateRequest, Usage
 
 log = logging.getLogger("hotpool.invoke")
 
+MAX_RETRIES = 2  # replicas tried again for one request before its first token
+
 
 @dataclass
 class _Tally:
@@ -38,6 +40,7 @@ class _Tally:
     status: str = "error"
     error: str | None = None
     lease: Lease | None = None
+    delivered: bool = False  # an event reached the caller: no retry from here on
 
 
 class Invoker:
@@ -53,16 +56,36 @@ class Invoker:
     async def generate(
         self, spec: DeploymentSpec, call: CompletionCall, request_id: str
     ) -> AsyncIterator[GenerateEvent]:
-        """Events from the worker; raises :class:`APIError` before the first one on failure."""
+        """Events from the worker; raises :class:`APIError` before the first one on failure.
+
+        A replica that fails before anything reached the client (its worker died, or
+        refused the connection) costs the request nothing: it is retried on another
+        replica, up to ``MAX_RETRIES`` times. Once a token is out, a failure ends the
+        stream with an error and the ledger keeps what was delivered as ``partial``."""
         tally = _Tally()
         request = GenerateRequest(request_id, call.params, call.prompt, call.messages)
+        failed: Lease | None = None
+        attempt = 0
         try:
-            async with self.router.lease(spec) as lease:
-                tally.lease = lease
-                async with aclosing(self._stream(lease, request)) as stream:
-                    async for event in stream:
-                        _tally_event(tally, event)
+            while True:
+                try:
+                    async for event in self._attempt(spec, request, tally, failed):
                         yield event
+                    break
+                except httpx.TransportError as exc:
+                    lease = tally.lease
+                    if tally.delivered or attempt >= MAX_RETRIES or lease is None:
+                        raise
+                    attempt += 1
+                    failed = lease
+                    dead = await self.router.pool.worker_failed(lease.replica)
+                    if not dead:  # it may still be running this request: stop it there
+                        self._abort_later(lease, request_id)
+                    log.warning(
+                        "request %s: replica %s failed before its first token (%r; worker %s);"
+                        " retrying", request_id, lease.replica.id, exc,
+                        "dead" if dead else "alive",
+                    )  # fmt: skip
             if tally.finish is None:
                 tally.status = "partial" if tally.usage.completion_tokens else "error"
                 tally.error = "the worker ended the stream without finishing"
@@ -78,11 +101,35 @@ class Invoker:
         except httpx.HTTPError as exc:
             tally.status = "partial" if tally.usage.completion_tokens else "error"
             tally.error = f"lost the worker: {exc!r}"
+            if tally.lease is not None:
+                await self.router.pool.worker_failed(tally.lease.replica, settle_s=0.0)
             raise APIError(
                 502, f"the replica serving {spec.name!r} failed: {exc!r}", type="api_error"
             ) from exc
         finally:
             self._account(spec, call, request_id, tally)
+
+    async def _attempt(
+        self, spec: DeploymentSpec, request: GenerateRequest, tally: _Tally, avoid: Lease | None
+    ) -> AsyncIterator[GenerateEvent]:
+        async with self.router.lease(spec, avoid.replica if avoid else None) as lease:
+            if tally.lease is None or not tally.delivered:
+                # Queue time and cold start count from the first attempt.
+                previous = tally.lease
+                tally.lease = (
+                    lease
+                    if previous is None
+                    else replace(
+                        lease,
+                        queue_seconds=lease.queue_seconds + previous.queue_seconds,
+                        cold_start=lease.cold_start or previous.cold_start,
+                    )
+                )
+            async with aclosing(self._stream(lease, request)) as stream:
+                async for event in stream:
+                    _tally_event(tally, event)
+                    tally.delivered = True
+                    yield event
 
     async def _stream(self, lease: Lease, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         url = f"{lease.replica.address}/generate"

@@ -4,7 +4,7 @@ bounded labels: deployment, status, phase, state, kind — never request ids).""
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -16,7 +16,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from hotpool.pool.pool import WorkerPool
+from hotpool.pool.pool import ScaleEvent, WorkerPool
 from hotpool.pool.replica import Replica, ReplicaState
 from hotpool.worker.protocol import Usage
 
@@ -27,27 +27,50 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 
 
 class _PoolCollector(Collector):
-    """Replica counts by state, read from the pool at scrape time (never stale)."""
+    """Replicas, workers and queues, read from the pool at scrape time (never stale)."""
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, queued: Callable[[str], int]) -> None:
         self.pool = pool
+        self.queued = queued
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         g = GaugeMetricFamily(
             "hotpool_replicas", "Replicas by deployment and state", labels=["deployment", "state"]
         )
-        counts = Tally((r.deployment, r.state.value) for r in self.pool.replicas())
-        for deployment in {d for d, _ in counts}:
+        replicas = self.pool.replicas()
+        counts = Tally((r.deployment, r.state.value) for r in replicas)
+        deployments = sorted({d for d, _ in counts})
+        for deployment in deployments:
             for state in ReplicaState:
                 g.add_metric([deployment, state.value], counts.get((deployment, state.value), 0))
         yield g
-        idle = len(self.pool.idle_workers())
+        by_state = self.pool.workers_by_state()
         w = GaugeMetricFamily("hotpool_workers", "Worker processes of replicas and idle workers")
-        w.add_metric([], len(self.pool.replicas()) + idle)
+        w.add_metric([], sum(by_state.values()))
         yield w
+        ws = GaugeMetricFamily(
+            "hotpool_workers_by_state",
+            "Worker processes by state (starting, idle, loading, serving, draining)",
+            labels=["state"],
+        )
+        for state, n in by_state.items():
+            ws.add_metric([state], n)
+        yield ws
         i = GaugeMetricFamily("hotpool_idle_workers", "Warm workers holding no model")
-        i.add_metric([], idle)
+        i.add_metric([], by_state["idle"])
         yield i
+        q = GaugeMetricFamily(
+            "hotpool_queue_depth", "Requests waiting for a ready replica", labels=["deployment"]
+        )
+        inflight = GaugeMetricFamily(
+            "hotpool_inflight_requests", "Requests being served", labels=["deployment"]
+        )
+        for deployment in deployments:
+            q.add_metric([deployment], self.queued(deployment))
+            n = sum(r.inflight for r in replicas if r.deployment == deployment)
+            inflight.add_metric([deployment], n)
+        yield q
+        yield inflight
 
 
 class Metrics:
@@ -88,7 +111,12 @@ class Metrics:
             "hotpool_cold_start_seconds", "Cold-start time by phase (total = whole cold start)",
             ["deployment", "phase"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        r.register(_PoolCollector(pool))
+        self.scale_events = Counter(
+            "hotpool_scale_events", "Replicas added (up) and removed (down)",
+            ["deployment", "direction"], registry=r,
+        )  # fmt: skip
+        self.queued: Callable[[str], int] = lambda deployment: 0  # set to the router's
+        r.register(_PoolCollector(pool, lambda d: self.queued(d)))
 
     def observe_request(
         self,
@@ -108,6 +136,10 @@ class Metrics:
         self.e2e.labels(deployment).observe(total)
         if queue is not None:
             self.queue.labels(deployment).observe(queue)
+
+    def observe_scale(self, event: ScaleEvent) -> None:
+        direction = "up" if event.to_replicas > event.from_replicas else "down"
+        self.scale_events.labels(event.deployment, direction).inc()
 
     def observe_cold_start(self, replica: Replica) -> None:
         if replica.load is None or replica.cold_start_seconds is None:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
+from dataclasses import replace
 
 import uvicorn
 
 from hotpool.billing.db import Database
 from hotpool.billing.deployments import DeploymentSpec, DeploymentStore
 from hotpool.platform.app import build_services, create_app
-from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig
+from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig, visible_gpus
 from hotpool.settings import Settings
 
 log = logging.getLogger("hotpool")
@@ -75,6 +77,11 @@ def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> Non
     host, port = sock.getsockname()[:2]
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     token = settings.worker_token or secrets.token_urlsafe(32)
+    gpus = visible_gpus() if settings.device != "cpu" else ()
+    if gpus and settings.max_workers > len(gpus):
+        log.info("%d GPU(s): at most %d workers, one per GPU", len(gpus), len(gpus))
+        settings = replace(settings, max_workers=len(gpus))
+    threads = settings.worker_threads or max(1, (os.cpu_count() or 1) // settings.max_workers)
     backend = LocalProcessBackend(
         LocalWorkerConfig(
             control_plane_url=f"http://{connect_host}:{port}",
@@ -83,6 +90,8 @@ def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> Non
             log_dir=settings.home / "logs",
             device=settings.device,
             log_level=settings.log_level,
+            threads=threads,
+            gpus=gpus,
         )
     )
     app = create_app(build_services(settings, db, backend, token))

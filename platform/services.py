@@ -16,6 +16,7 @@ from hotpool.platform.invoke import Invoker
 from hotpool.platform.ledger_writer import LedgerWriter
 from hotpool.platform.metrics import Metrics
 from hotpool.platform.router import Router
+from hotpool.platform.scale_log import ScaleEventWriter
 from hotpool.pool.autoscaler import Autoscaler
 from hotpool.pool.pool import WorkerPool
 from hotpool.pool.registry import WorkerRegistry
@@ -34,6 +35,7 @@ class Services:
     pool: WorkerPool
     router: Router
     ledger_writer: LedgerWriter
+    scale_events: ScaleEventWriter
     invoker: Invoker
     autoscaler: Autoscaler
     metrics: Metrics

@@ -1,20 +1,28 @@
-"""Reconcile replicas with demand once a second: keep ``min_replicas``, release idle ones.
+"""Reconcile each deployment's replicas with its load: up at once, down only when stable.
 
-Scale-up on demand happens in the router the moment a request finds no replica; this loop
-handles what time decides: idle timeouts (down to zero), minimum replicas, dead workers.
-Target-concurrency scaling and a stable window arrive with issue 6.
+Load is what a replica actually holds: requests in flight plus requests queued for the
+deployment. Desired replicas = ceil(load / ``target_concurrency``), within ``min_replicas``
+and ``max_replicas``. Scaling up happens the moment the desired count exceeds the live
+one (the router wakes this loop on every queued request and whenever a replica passes its
+target, and it ticks every second regardless). Scaling down follows the highest desired
+count seen over the last ``scale_down_window_s`` (as Kubernetes' HPA stabilisation window
+does), so a burst that pauses between requests does not flap; the last replica goes only
+after ``idle_timeout_s`` without requests (scale to zero). Dead workers are reaped here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import time
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 
 from hotpool.billing.deployments import DeploymentSpec
-from hotpool.pool.pool import PoolError, WorkerPool
-from hotpool.pool.replica import ReplicaState
+from hotpool.pool.pool import WorkerPool
+from hotpool.pool.replica import Replica, ReplicaState
 
 log = logging.getLogger("hotpool.autoscaler")
 
@@ -24,11 +32,22 @@ class Autoscaler:
         self,
         pool: WorkerPool,
         deployments: Callable[[], Mapping[str, DeploymentSpec]],
+        queued: Callable[[str], int] = lambda name: 0,
         interval_s: float = 1.0,
+        scale_down_window_s: float = 30.0,
     ) -> None:
         self.pool = pool
         self.deployments = deployments
+        self.queued = queued
         self.interval_s = interval_s
+        self.scale_down_window_s = scale_down_window_s
+        self._wake = asyncio.Event()
+        # (time, desired) recommendations per deployment within the window.
+        self._history: defaultdict[str, deque[tuple[float, int]]] = defaultdict(deque)
+
+    def wake(self) -> None:
+        """Reconcile now (demand just changed) instead of at the next tick."""
+        self._wake.set()
 
     async def run(self) -> None:
         while True:
@@ -36,32 +55,73 @@ class Autoscaler:
                 await self.tick()
             except Exception:
                 log.exception("autoscaler tick failed")
-            await asyncio.sleep(self.interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            self._wake.clear()
 
     async def tick(self) -> None:
-        for dead in self.pool.reap_dead():
-            log.warning("replica %s of %s lost: %s", dead.id, dead.deployment, dead.error)
+        self.pool.reap_dead()
         specs = self.deployments()
         now = time.monotonic()
         for name in {r.deployment for r in self.pool.replicas()} | set(specs):
             spec = specs.get(name)
-            replicas = self.pool.replicas(name)
-            live = [r for r in replicas if r.state is not ReplicaState.DRAINING]
-            floor = spec.min_replicas if spec else 0
-            idle = sorted(
-                (r for r in live if r.state is ReplicaState.READY and r.inflight == 0),
-                key=lambda r: r.last_used,
+            if spec is None:
+                self._history.pop(name, None)
+                for r in self.pool.replicas(name):
+                    if r.inflight == 0:
+                        self.pool.release_soon(r, "deployment deleted")
+                continue
+            self._reconcile(spec, now)
+
+    def desired(self, spec: DeploymentSpec) -> tuple[int, int]:
+        """(desired replicas, load) for ``spec`` right now."""
+        live = self._live(spec.name)
+        load = sum(r.inflight for r in live) + self.queued(spec.name)
+        want = math.ceil(load / spec.target_concurrency)
+        return min(max(want, spec.min_replicas), spec.max_replicas), load
+
+    def _reconcile(self, spec: DeploymentSpec, now: float) -> None:
+        live = self._live(spec.name)
+        want, load = self.desired(spec)
+        history = self._history[spec.name]
+        history.append((now, want))
+        while history and history[0][0] < now - self.scale_down_window_s:
+            history.popleft()
+        if len(live) < want:
+            reason = (
+                f"min_replicas={spec.min_replicas}"
+                if want == spec.min_replicas and load <= spec.min_replicas
+                else f"load {load} > {len(live)} x target_concurrency {spec.target_concurrency}"
             )
-            timeout = spec.idle_timeout_s if spec else 0.0
-            for r in idle:
-                if len(live) <= floor:
-                    break
-                if now - r.last_used >= timeout:
-                    live.remove(r)
-                    reason = "idle timeout" if spec else "deployment deleted"
-                    self.pool.release_soon(r, reason)
-            if spec is not None and len(live) < floor:
-                try:
-                    await self.pool.scale_up(spec, reason="min_replicas")
-                except PoolError as exc:
-                    log.warning("cannot keep %s at min_replicas=%d: %s", name, floor, exc)
+            for _ in range(want - len(live)):
+                self.pool.scale_up(spec, reason=reason)
+            return
+        # Replicas still waiting for a worker are cheap to withdraw: no window for them.
+        # (A replacement for a dead worker stays: it is capacity the deployment had.)
+        for r in sorted(live, key=lambda r: r.requested_at, reverse=True):
+            if len(live) <= want or r.state is not ReplicaState.QUEUED:
+                break
+            if not r.replacement and self.pool.cancel(
+                r, "demand went away before a worker was free"
+            ):
+                live.remove(r)
+        stable = max((w for _, w in history), default=want)
+        keep = max(stable, spec.min_replicas, 1)
+        idle = sorted(
+            (r for r in live if r.state is ReplicaState.READY and r.inflight == 0),
+            key=lambda r: r.last_used,
+        )
+        for r in idle:
+            if len(live) <= spec.min_replicas:
+                break
+            if now - r.last_used >= spec.idle_timeout_s:
+                reason = "idle timeout"
+            elif len(live) > keep:
+                reason = f"load {load} fits {keep} replica(s) for {self.scale_down_window_s:g}s"
+            else:
+                break
+            live.remove(r)
+            self.pool.release_soon(r, reason)
+
+    def _live(self, name: str) -> list[Replica]:
+        return [r for r in self.pool.replicas(name) if r.state is not ReplicaState.DRAINING]

@@ -1,11 +1,12 @@
 """The worker pool: turns workers into replicas of deployments and back.
 
-A cold start runs in the background: claim an idle worker (or start a worker process and
-wait for it to register), then ask it to load the deployment's snapshot. Callers wait on the
-replica's ``ready`` event, so requests queue through a cold start instead of failing.
-Releasing a replica drains it (no new requests, in-flight ones finish), unloads its model and
-returns the worker to the idle set (``warm_workers`` of them, refilled in the background), or
-stops it when the idle set is full. Idle workers count within ``max_workers``.
+A cold start runs in the background: wait for a worker slot (first come first served within
+``max_workers``), claim an idle worker or start a worker process and wait for it to
+register, then ask it to load the deployment's snapshot. Callers wait on the replica's
+``ready`` event, so requests queue through a cold start instead of failing. Releasing a
+replica drains it (no new requests, in-flight ones finish), unloads its model and returns
+the worker to the idle set (``warm_workers`` of them, refilled in the background), or stops
+it when the idle set is full. A worker that dies or stops heartbeating is replaced.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,17 +45,16 @@ class ColdStartFailed(PoolError):
     pass
 
 
-class PoolExhausted(PoolError):
-    pass
-
-
 @dataclass(frozen=True)
 class ScaleEvent:
     deployment: str
     from_replicas: int
     to_replicas: int
     reason: str
-    cold_start_seconds: float | None = None
+    replica_id: str | None = None  # the replica added or removed
+
+
+_START = object()  # a granted slot with no idle worker to claim: start a process
 
 
 class WorkerPool:
@@ -65,6 +66,8 @@ class WorkerPool:
         max_workers: int,
         start_timeout_s: float,
         warm_workers: int = 0,
+        heartbeat_timeout_s: float = 15.0,
+        preempt_after_s: float = 10.0,
         on_scale: Callable[[ScaleEvent], None] | None = None,
         on_ready: Callable[[Replica], None] | None = None,
     ) -> None:
@@ -72,15 +75,23 @@ class WorkerPool:
         self.registry = registry
         self.max_workers = max_workers
         self.start_timeout_s = start_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.preempt_after_s = preempt_after_s
         self.on_scale = on_scale or (lambda e: None)
         self.on_ready = on_ready or (lambda r: None)
         self._replicas: dict[str, Replica] = {}
+        self._specs: dict[str, DeploymentSpec] = {}  # last spec each deployment scaled with
         self._tasks: set[asyncio.Task[None]] = set()
+        self._cold_starts: dict[str, asyncio.Task[None]] = {}
+        # Replicas waiting for a worker slot, first come first served.
+        self._slot_queue: deque[tuple[Replica, asyncio.Future[object]]] = deque()
+        self._evicting = 0  # releases under way to make room for the queue's head
         self.warm = WarmPool(
             min(warm_workers, max_workers),
             self._start_worker,
             self._stop_worker,
-            room=lambda: self._processes() < self.max_workers,
+            room=lambda: not self._slot_queue and self._processes() < self.max_workers,
+            on_idle=self._grant,
         )
         self._unloading = 0  # released workers between replica and idle (still processes)
         self._closing = False
@@ -96,46 +107,79 @@ class WorkerPool:
     def idle_workers(self) -> list[IdleWorker]:
         return self.warm.idle.all()
 
+    def workers_by_state(self) -> dict[str, int]:
+        """Worker processes (and slots being waited for) by what they are doing."""
+        counts = {s: 0 for s in ("starting", "idle", "loading", "serving", "draining")}
+        counts["idle"] = len(self.warm.idle)
+        counts["starting"] = len(self.warm) - len(self.warm.idle) + self._unloading
+        for r in self.replicas():
+            if r.state is ReplicaState.COLD:
+                counts["starting"] += 1
+            elif r.state is ReplicaState.LOADING:
+                counts["loading"] += 1
+            elif r.state is ReplicaState.READY:
+                counts["serving"] += 1
+            elif r.state is ReplicaState.DRAINING:
+                counts["draining"] += 1
+        return counts
+
     def start(self) -> None:
         """Begin filling the idle set (call once the event loop runs)."""
         self.warm.refill()
 
-    async def scale_up(self, spec: DeploymentSpec, reason: str = "request") -> Replica:
-        """Start a replica of ``spec``; returns at once, in state COLD (await ``ready``)."""
-        requested = time.monotonic()
-        source = self.warm.claim(spec.name)
-        if source is None and self._processes() >= self.max_workers:
-            await self._evict_one()  # its worker may come back idle: claim it then
-            source = self.warm.claim(spec.name)
+    def scale_up(self, spec: DeploymentSpec, reason: str = "request") -> Replica:
+        """Add a replica of ``spec``; returns at once (await its ``ready`` event).
+
+        It starts QUEUED and takes the first worker slot that frees up, first come first
+        served: an idle worker, room for a new process, or a worker made free by evicting
+        the least-recently-used idle replica of another deployment (or, once it has waited
+        ``preempt_after_s``, by draining a busy one, so no deployment starves)."""
+        self._specs[spec.name] = spec
         before = len(self.replicas(spec.name))
-        handle = source.handle if isinstance(source, IdleWorker) else None
         replica = Replica(
             id=f"r-{uuid.uuid4().hex[:12]}",
             deployment=spec.name,
-            handle=handle or WorkerHandle(f"w-{uuid.uuid4().hex[:12]}"),
+            handle=WorkerHandle(f"w-{uuid.uuid4().hex[:12]}"),
         )
         self._replicas[replica.id] = replica
-        self.on_scale(ScaleEvent(spec.name, before, before + 1, reason))
-        self._spawn(self._cold_start(replica, spec, requested, source))
-        self.warm.refill()
+        self.on_scale(ScaleEvent(spec.name, before, before + 1, reason, replica.id))
+        task = self._spawn(self._cold_start(replica, spec))
+        self._cold_starts[replica.id] = task
+        task.add_done_callback(lambda _: self._cold_starts.pop(replica.id, None))
         return replica
 
+    def cancel(self, replica: Replica, reason: str) -> bool:
+        """Withdraw a replica still waiting for a worker slot (its demand went away)."""
+        if replica.state is not ReplicaState.QUEUED:
+            return False
+        task = self._cold_starts.get(replica.id)
+        if task is not None:
+            task.cancel()
+        replica.error = reason
+        self._forget(replica, reason)
+        replica.ready.set()
+        return True
+
     def _processes(self) -> int:
-        return len(self._replicas) + len(self.warm) + self._unloading
+        held = sum(1 for r in self._replicas.values() if r.holds_worker)
+        return held + len(self.warm) + self._unloading
 
     def release_soon(self, replica: Replica, reason: str) -> None:
         """:meth:`release` in the background (the autoscaler must not wait for a drain)."""
         self._spawn(self.release(replica, reason))
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def release(self, replica: Replica, reason: str, grace_s: float = 30.0) -> None:
         """Drain ``replica`` (in-flight requests finish), then unload it and keep its worker
         idle (its model stays in the worker's host tier), or stop the worker."""
         if replica.id not in self._replicas or replica.state is ReplicaState.DRAINING:
+            return
+        if self.cancel(replica, reason):
             return
         replica.state = ReplicaState.DRAINING
         deadline = time.monotonic() + grace_s
@@ -153,41 +197,155 @@ class WorkerPool:
         )
         await self.client.aclose()
 
+    # --- dead workers ---------------------------------------------------------------------
+
     def reap_dead(self) -> list[Replica]:
-        """Replicas whose worker process has died; removed from the pool (caller logs).
-        Dead idle workers are dropped and replaced."""
+        """Replicas whose worker died (its process ended, or it missed heartbeats for
+        ``heartbeat_timeout_s``): removed, their process stopped, and a replacement started
+        unless they were draining anyway. Dead idle workers are dropped and replaced."""
         self.warm.reap(self.backend.exit_reason)
-        dead = []
-        for r in self.replicas():
-            if r.state is ReplicaState.READY and (why := self.backend.exit_reason(r.handle)):
-                r.error = why
-                dead.append(r)
+        dead = [r for r in self.replicas() if self._death(r)]
         for r in dead:
-            self._forget(r, f"worker died: {r.error}")
+            self._lost(r)
+        self._grant()
         return dead
 
-    async def _evict_one(self) -> None:
-        idle = [r for r in self.replicas() if r.state is ReplicaState.READY and r.inflight == 0]
-        if not idle:
-            raise PoolExhausted(f"all {self.max_workers} workers are busy; retry shortly")
-        victim = min(idle, key=lambda r: r.last_used)  # least recently used
-        await self.release(victim, "evicted for another deployment")
+    def _death(self, replica: Replica) -> str | None:
+        if replica.state not in (ReplicaState.READY, ReplicaState.DRAINING):
+            return None  # a cold start finds out by itself (its calls fail or time out)
+        if why := self.backend.exit_reason(replica.handle):
+            replica.error = why
+            return why
+        silent = self.registry.silent_for(replica.handle.worker_id)
+        if silent is not None and silent > self.heartbeat_timeout_s:
+            replica.error = f"no heartbeat for {silent:.0f}s"
+            return replica.error
+        return None
 
-    async def _cold_start(
-        self,
-        replica: Replica,
-        spec: DeploymentSpec,
-        requested: float,
-        source: IdleWorker | asyncio.Task[IdleWorker] | None,
-    ) -> None:
+    async def worker_failed(self, replica: Replica, settle_s: float = 1.0) -> bool:
+        """A call to ``replica`` failed at the transport level: True if its worker is dead
+        (it is then handled like :meth:`reap_dead` does, at once), False if it still runs."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            if replica.id not in self._replicas:
+                return True  # someone else already found it dead
+            if self._death(replica):
+                self._lost(replica)
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)  # a killed process takes a moment to be reaped
+
+    def _lost(self, replica: Replica) -> None:
+        was_draining = replica.state is ReplicaState.DRAINING
+        log.warning("replica %s of %s lost: %s", replica.id, replica.deployment, replica.error)
+        self._forget(replica, f"worker died: {replica.error}")
+        self._spawn(self._stop_worker(replica.handle, grace_s=0.0))  # a hung one holds memory
+        spec = self._specs.get(replica.deployment)
+        if spec is None or was_draining or self._closing:
+            return
+        # Replace it if the deployment would have kept it: in use, or not yet idle too long.
+        recent = time.monotonic() - replica.last_used < spec.idle_timeout_s
+        if replica.inflight > 0 or recent or len(self._live(spec.name)) < spec.min_replicas:
+            self.scale_up(spec, reason="replacing a dead worker").replacement = True
+
+    # --- worker slots ---------------------------------------------------------------------
+
+    async def _slot(self, replica: Replica) -> object:
+        """Wait for a worker slot: an :class:`IdleWorker`, a warm start in progress, or
+        ``_START`` (room to start a process)."""
+        fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._slot_queue.append((replica, fut))
+        self._grant()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # granted as we were cancelled: give back
+                self._give_back(fut.result())
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                self._slot_queue.remove((replica, fut))
+
+    def _give_back(self, source: object) -> None:
+        if isinstance(source, IdleWorker):
+            self.warm.offer(source)
+        elif isinstance(source, asyncio.Task):
+            source.add_done_callback(lambda t: self._idle_started(t))
+        self._grant()
+
+    def _idle_started(self, task: asyncio.Task[IdleWorker]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self.warm.offer(task.result())
+            self._grant()
+
+    def _grant(self) -> None:
+        """Hand free worker slots to the queue in order; make room for its head if none."""
+        while self._slot_queue:
+            replica, fut = self._slot_queue[0]
+            if fut.done():
+                self._slot_queue.popleft()
+                continue
+            source: object | None = self.warm.claim(replica.deployment)
+            if source is None and self._processes() < self.max_workers:
+                source = _START
+            if source is None:
+                self._make_room(replica)
+                return
+            self._slot_queue.popleft()
+            replica.state = ReplicaState.COLD  # holds its slot from now on
+            fut.set_result(source)
+        self.warm.refill()
+
+    def _make_room(self, waiting: Replica) -> None:
+        if self._evicting or self._closing:
+            return  # one release at a time; when it ends, _grant runs again
+        others = [
+            r
+            for r in self.replicas()
+            if r.state is ReplicaState.READY
+            and r.deployment != waiting.deployment
+            and len(self._live(r.deployment)) > self._floor(r.deployment)
+        ]
+        idle = [r for r in others if r.inflight == 0]
+        waited = time.monotonic() - waiting.requested_at
+        if idle:
+            victim = min(idle, key=lambda r: r.last_used)  # least recently used
+            reason = f"evicted (least recently used) for {waiting.deployment}"
+        elif others and waited >= self.preempt_after_s:
+            # Busy everywhere: take turns. The deployment holding the most workers gives
+            # one up first; its in-flight requests finish (drain), new ones queue.
+            victim = max(others, key=lambda r: (len(self._live(r.deployment)), -r.requested_at))
+            reason = f"preempted for {waiting.deployment} (waited {waited:.0f}s)"
+        else:
+            return
+        self._evicting += 1
+        self._spawn(self._evict(victim, reason))
+
+    async def _evict(self, victim: Replica, reason: str) -> None:
+        try:
+            await self.release(victim, reason)
+        finally:
+            self._evicting -= 1
+            self._grant()
+
+    def _live(self, deployment: str) -> list[Replica]:
+        return [r for r in self.replicas(deployment) if r.state is not ReplicaState.DRAINING]
+
+    def _floor(self, deployment: str) -> int:
+        spec = self._specs.get(deployment)
+        return spec.min_replicas if spec else 0
+
+    async def _cold_start(self, replica: Replica, spec: DeploymentSpec) -> None:
         """Get a worker, load the snapshot. Phases (seconds): ``queue`` (waiting for a worker
         slot), ``start`` (claiming an idle worker, or process start to registration), then
         the worker's ``fetch``, ``load`` and ``warmup``."""
-        t0 = time.monotonic()
         try:
+            source = await self._slot(replica)
+            t0 = time.monotonic()
             if isinstance(source, IdleWorker):
                 worker: IdleWorker | None = source
-            elif source is not None:
+            elif isinstance(source, asyncio.Task):
                 worker = await source
             else:
                 worker = None
@@ -198,9 +356,9 @@ class WorkerPool:
             t1 = time.monotonic()
             replica.state = ReplicaState.LOADING
             load = await self._load(replica.worker, spec)
-            phases = {"queue": t0 - requested, "start": t1 - t0, **load.phases}
+            phases = {"queue": t0 - replica.requested_at, "start": t1 - t0, **load.phases}
             replica.load = replace(load, phases=phases)
-            replica.cold_start_seconds = time.monotonic() - requested
+            replica.cold_start_seconds = time.monotonic() - replica.requested_at
             replica.last_used = time.monotonic()
             replica.state = ReplicaState.READY
             self.on_ready(replica)
@@ -208,9 +366,14 @@ class WorkerPool:
                 "replica %s of %s ready in %.2fs %s",
                 replica.id, spec.name, replica.cold_start_seconds, replica.load.phases,
             )  # fmt: skip
+        except asyncio.CancelledError:
+            replica.error = replica.error or "cancelled"
+            await asyncio.shield(self._remove(replica, replica.error))
+            raise
         except Exception as exc:
             replica.error = str(exc) or type(exc).__name__
             log.error("cold start of %s failed: %s", spec.name, replica.error)
+            self.on_ready(replica)
             await self._remove(replica, "cold start failed")
         finally:
             replica.ready.set()
@@ -268,7 +431,7 @@ class WorkerPool:
                 await self._stop_worker(replica.handle)
         if info is not None:
             self.warm.offer(IdleWorker(replica.handle, info, replica.deployment))
-        self.warm.refill()
+        self._grant()  # a queued cold start takes the freed slot before the warm pool does
 
     async def _unload(self, replica: Replica) -> WorkerInfo | None:
         """Unload the replica's model so its worker can idle; None: stop the worker instead."""
@@ -288,10 +451,10 @@ class WorkerPool:
             return None
         return worker if r.status_code == 200 and not self._closing else None
 
-    async def _stop_worker(self, handle: WorkerHandle) -> None:
+    async def _stop_worker(self, handle: WorkerHandle, grace_s: float = 10.0) -> None:
         self.registry.forget(handle.worker_id)
         with contextlib.suppress(Exception):
-            await self.backend.stop(handle)
+            await self.backend.stop(handle, grace_s)
 
     def _forget(self, replica: Replica, reason: str) -> None:
         if self._replicas.pop(replica.id, None) is None:
@@ -301,4 +464,4 @@ class WorkerPool:
 
     def _scaled_down(self, replica: Replica, reason: str) -> None:
         after = len(self.replicas(replica.deployment))
-        self.on_scale(ScaleEvent(replica.deployment, after + 1, after, reason))
+        self.on_scale(ScaleEvent(replica.deployment, after + 1, after, reason, replica.id))

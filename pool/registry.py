@@ -56,3 +56,8 @@ class WorkerRegistry:
 
     def get(self, worker_id: str) -> RegisteredWorker | None:
         return self._workers.get(worker_id)
+
+    def silent_for(self, worker_id: str) -> float | None:
+        """Seconds since the worker's last registration or heartbeat; None if unknown."""
+        worker = self._workers.get(worker_id)
+        return None if worker is None else time.monotonic() - worker.last_seen

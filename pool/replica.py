@@ -12,7 +12,8 @@ from hotpool.worker.protocol import LoadResult, WorkerInfo
 
 
 class ReplicaState(StrEnum):
-    COLD = "cold"  # worker process starting
+    QUEUED = "queued"  # waiting for a worker slot (all max_workers are busy)
+    COLD = "cold"  # claiming an idle worker, or a worker process starting
     LOADING = "loading"  # worker registered, snapshot loading
     READY = "ready"
     DRAINING = "draining"  # takes no new requests, finishes its own
@@ -23,15 +24,27 @@ class Replica:
     id: str
     deployment: str
     handle: WorkerHandle
-    state: ReplicaState = ReplicaState.COLD
+    state: ReplicaState = ReplicaState.QUEUED
     worker: WorkerInfo | None = None
     load: LoadResult | None = None
     inflight: int = 0
     created_at: float = field(default_factory=time.time)
+    requested_at: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     cold_start_seconds: float | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None  # why the cold start failed, once it has
+    replacement: bool = False  # stands in for a replica whose worker died
+
+    @property
+    def starting(self) -> bool:
+        """Not ready yet, but on its way (a request may wait for it)."""
+        return self.state in (ReplicaState.QUEUED, ReplicaState.COLD, ReplicaState.LOADING)
+
+    @property
+    def holds_worker(self) -> bool:
+        """Counts against ``max_workers``: every state but waiting for a slot."""
+        return self.state is not ReplicaState.QUEUED
 
     @property
     def address(self) -> str:

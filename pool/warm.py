@@ -81,11 +81,17 @@ class WarmPool:
     :meth:`offer`\\ s its worker back. Failed starts back off so a broken worker cannot spin."""
 
     def __init__(
-        self, target: int, start: StartWorker, stop: StopWorker, room: Callable[[], bool]
+        self,
+        target: int,
+        start: StartWorker,
+        stop: StopWorker,
+        room: Callable[[], bool],
+        on_idle: Callable[[], None] = lambda: None,
     ) -> None:
         self.target = target
         self.idle = IdleWorkers(target)
         self._start, self._stop, self._room = start, stop, room
+        self._on_idle = on_idle  # a worker just became idle: a queued cold start may take it
         # Starting; a cold start may claim one before it registers.
         self._warming: dict[str, asyncio.Task[IdleWorker]] = {}
         self._stopping: set[asyncio.Task[None]] = set()
@@ -155,9 +161,11 @@ class WarmPool:
             self._stop_soon(task.result().handle)
         else:
             self.offer(task.result())
+            self._on_idle()
         self.refill()
 
     def _stop_soon(self, handle: WorkerHandle) -> None:
         task = asyncio.create_task(self._stop(handle))
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
+        task.add_done_callback(lambda _: self._on_idle())  # its process slot is free now

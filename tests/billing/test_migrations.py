@@ -13,7 +13,8 @@ from sqlalchemy import inspect, select, text
 from hotpool.billing.db import Database, migrations_dir
 from hotpool.billing.models import Base, Tenant
 
-LEDGER_TABLES = {"tenants", "deployments", "usage_events"}
+LEDGER_TABLES = {"tenants", "deployments", "usage_events", "scale_events"}
+HEAD = "0002"
 
 
 def _tables(db: Database) -> set[str]:
@@ -24,7 +25,7 @@ def test_upgrade_downgrade_upgrade_round_trip(empty_db: Database) -> None:
     assert empty_db.current_revision() is None
 
     empty_db.upgrade()
-    assert empty_db.current_revision() == "0001"
+    assert empty_db.current_revision() == HEAD
     assert _tables(empty_db) == LEDGER_TABLES | {"alembic_version"}
 
     empty_db.downgrade("base")
@@ -32,14 +33,22 @@ def test_upgrade_downgrade_upgrade_round_trip(empty_db: Database) -> None:
     assert _tables(empty_db) & LEDGER_TABLES == set()
 
     empty_db.upgrade()
-    assert empty_db.current_revision() == "0001"
+    assert empty_db.current_revision() == HEAD
     with empty_db.session() as session:
         assert session.scalars(select(Tenant.name)).all() == ["default"]
 
 
+def test_downgrade_to_0001_drops_only_scale_events(db: Database) -> None:
+    db.downgrade("0001")
+    assert db.current_revision() == "0001"
+    assert _tables(db) == (LEDGER_TABLES - {"scale_events"}) | {"alembic_version"}
+    db.upgrade()
+    assert "scale_events" in _tables(db)
+
+
 def test_upgrade_twice_is_a_no_op(db: Database) -> None:
     db.upgrade()
-    assert db.current_revision() == "0001"
+    assert db.current_revision() == HEAD
 
 
 def test_default_tenant_exists_and_next_tenant_gets_a_fresh_id(db: Database) -> None:
@@ -79,12 +88,21 @@ def test_constraint_names_follow_the_convention(db: Database) -> None:
     assert "ck_usage_events_cached_le_prompt" in {
         ck["name"] for ck in insp.get_check_constraints("usage_events")
     }
+    assert {ix["name"] for ix in insp.get_indexes("scale_events")} == {
+        "ix_scale_events_deployment_created_at"
+    }
+    assert insp.get_foreign_keys("scale_events") == []
+    assert {
+        "ck_scale_events_from_replicas_nonnegative",
+        "ck_scale_events_to_replicas_nonnegative",
+        "ck_scale_events_replicas_changed",
+    } <= {ck["name"] for ck in insp.get_check_constraints("scale_events")}
 
 
 def test_env_uses_the_url_when_no_connection_is_passed(empty_db: Database) -> None:
     # The path `alembic`-style tooling takes: only sqlalchemy.url, no shared connection.
     command.upgrade(empty_db.alembic_config(), "head")
-    assert empty_db.current_revision() == "0001"
+    assert empty_db.current_revision() == HEAD
     command.downgrade(empty_db.alembic_config(), "base")
     assert empty_db.current_revision() is None
 
@@ -95,6 +113,7 @@ def test_offline_mode_renders_sql(empty_db: Database) -> None:
     command.upgrade(config, "head", sql=True)
     sql = config.output_buffer.getvalue()
     assert "CREATE TABLE usage_events" in sql
+    assert "CREATE TABLE scale_events" in sql
     assert "INSERT INTO tenants" in sql
     assert empty_db.current_revision() is None  # nothing ran
 
@@ -104,8 +123,9 @@ def test_migrations_ship_inside_the_package() -> None:
     assert (folder / "env.py").is_file()
     assert (folder / "script.py.mako").is_file()
     assert (folder / "versions" / "0001_initial.py").is_file()
+    assert (folder / "versions" / "0002_scale_events.py").is_file()
     script = ScriptDirectory(str(folder))
-    assert script.get_heads() == ["0001"]
+    assert script.get_heads() == [HEAD]
 
 
 def test_sqlite_file_gets_its_folder_wal_and_foreign_keys(tmp_path: Path) -> None:

@@ -8,9 +8,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -42,6 +43,44 @@ class Server:
 
     def log(self) -> str:
         return (self.home / "serve.log").read_text(errors="replace")
+
+    def deploy(self, name: str, **scaling: object) -> None:
+        """Create deployment ``name`` of this server's snapshot (if it does not exist)."""
+        if httpx.get(f"{self.url}/v1/deployments/{name}").status_code == 404:
+            spec = {"name": name, "snapshot_uri": self.snapshot_uri, **scaling}
+            r = httpx.post(f"{self.url}/v1/deployments", json=spec)
+            assert r.status_code == 201, r.text
+
+    def replicas(self, name: str) -> list[dict[str, Any]]:
+        r = httpx.get(f"{self.url}/v1/deployments/{name}")
+        assert r.status_code == 200, r.text
+        return r.json()["replicas"]  # type: ignore[no-any-return]
+
+    def scale_events(self, name: str) -> list[dict[str, Any]]:
+        """Every scale event of ``name``, oldest first."""
+        r = httpx.get(f"{self.url}/v1/deployments/{name}/events", params={"limit": 1000})
+        assert r.status_code == 200, r.text
+        return list(reversed(r.json()["data"]))
+
+    def wait_for(self, what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.2)
+
+
+def worker_pids(home: Path) -> list[int]:
+    """Live worker processes whose cache dir is under ``home``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            status = (proc / "status").read_text()
+        except (OSError, ValueError):
+            continue
+        if "worker\0" in cmdline and str(home) in cmdline and "\nState:\tZ" not in status:
+            pids.append(int(proc.name))
+    return pids
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import Server, running_server
+from server_process import Server, running_server, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -26,17 +26,7 @@ def warm_server(
 
 
 def _workers_of(home: Path) -> list[int]:
-    """Live worker processes whose cache dir is under ``home``."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
-            status = (proc / "status").read_text()
-        except (OSError, ValueError):
-            continue
-        if "worker\0" in cmdline and str(home) in cmdline and "\nState:\tZ" not in status:
-            pids.append(int(proc.name))
-    return pids
+    return worker_pids(home)
 
 
 def _gauge(server: Server, name: str) -> float:

@@ -1,0 +1,83 @@
+"""Scale events leave the pool through a queue and reach SQL off the event loop.
+
+A scale-up is stored when it is decided; its cold-start seconds (or why it failed) are
+filled in when the replica is ready. Operations run in order in one task, so the update
+always finds its row. Like the ledger writer, ``submit`` never blocks or awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from hotpool.billing.scale_events import ScaleEventRecord, ScaleEventStore
+from hotpool.pool.pool import ScaleEvent
+from hotpool.pool.replica import Replica
+
+log = logging.getLogger("hotpool.scale_events")
+
+
+@dataclass(frozen=True)
+class _ColdStartDone:
+    replica_id: str
+    seconds: float | None
+    error: str | None
+
+
+class ScaleEventWriter:
+    def __init__(self, store: ScaleEventStore) -> None:
+        self.store = store
+        self._queue: asyncio.Queue[ScaleEvent | _ColdStartDone] = asyncio.Queue()
+        self._rows: dict[str, int] = {}  # replica id -> its scale-up row, until it is ready
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="scale-event-writer")
+
+    def submit(self, event: ScaleEvent) -> None:
+        self._queue.put_nowait(event)
+
+    def cold_start_done(self, replica: Replica) -> None:
+        self._queue.put_nowait(
+            _ColdStartDone(replica.id, replica.cold_start_seconds, replica.error)
+        )
+
+    async def flush(self) -> None:
+        await self._queue.join()
+
+    async def close(self) -> None:
+        await self.flush()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            op = await self._queue.get()
+            try:
+                await asyncio.to_thread(self._apply, op)
+            except Exception:
+                # Scale events are for the dashboard, not billing: log and go on.
+                log.exception("could not store scale event %s", op)
+            finally:
+                self._queue.task_done()
+
+    def _apply(self, op: ScaleEvent | _ColdStartDone) -> None:
+        if isinstance(op, _ColdStartDone):
+            row = self._rows.pop(op.replica_id, None)
+            if row is not None:
+                self.store.set_cold_start(row, op.seconds, op.error)
+            return
+        row = self.store.record(
+            ScaleEventRecord(
+                deployment=op.deployment,
+                from_replicas=op.from_replicas,
+                to_replicas=op.to_replicas,
+                reason=op.reason[:256],
+            )
+        )
+        if op.to_replicas > op.from_replicas and op.replica_id is not None:
+            self._rows[op.replica_id] = row
+        elif op.replica_id is not None:
+            self._rows.pop(op.replica_id, None)  # removed before it was ever ready
