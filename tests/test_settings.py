@@ -59,6 +59,10 @@ def test_every_setting_is_read(tmp_path: Path) -> None:
             "HOTPOOL_IDLE_TIMEOUT_S": "0.5",
             "HOTPOOL_QUEUE_TIMEOUT_S": "10",
             "HOTPOOL_MAX_QUEUE": "3",
+            "HOTPOOL_HEARTBEAT_TIMEOUT_S": "6",
+            "HOTPOOL_SCALE_DOWN_WINDOW_S": "0",
+            "HOTPOOL_PREEMPT_AFTER_S": "2.5",
+            "HOTPOOL_WORKER_THREADS": "4",
             "HOTPOOL_LOG_LEVEL": "DEBUG",
             "HOTPOOL_WORKER_TOKEN": "secret",
         }
@@ -69,6 +73,8 @@ def test_every_setting_is_read(tmp_path: Path) -> None:
     assert (s.host, s.port, s.device, s.log_level) == ("0.0.0.0", 0, "cuda", "debug")
     assert (s.max_workers, s.warm_workers, s.max_queue) == (8, 3, 3)
     assert (s.worker_start_timeout_s, s.default_idle_timeout_s, s.queue_timeout_s) == (30, 0.5, 10)
+    assert (s.heartbeat_timeout_s, s.scale_down_window_s, s.preempt_after_s) == (6, 0, 2.5)
+    assert s.worker_threads == 4
     assert s.worker_token == "secret"
 
 
@@ -105,6 +111,10 @@ def test_settings_are_frozen_and_hide_the_token(tmp_path: Path) -> None:
         ("HOTPOOL_IDLE_TIMEOUT_S", "inf"),
         ("HOTPOOL_QUEUE_TIMEOUT_S", "soon"),
         ("HOTPOOL_WORKER_START_TIMEOUT_S", "0"),
+        ("HOTPOOL_HEARTBEAT_TIMEOUT_S", "0"),
+        ("HOTPOOL_SCALE_DOWN_WINDOW_S", "-1"),
+        ("HOTPOOL_PREEMPT_AFTER_S", "inf"),
+        ("HOTPOOL_WORKER_THREADS", "0"),
         ("HOTPOOL_OBJECT_STORE", "relative/path"),
         ("HOTPOOL_OBJECT_STORE", "s3://bucket/prefix"),
     ],

@@ -15,6 +15,7 @@ from starlette.testclient import TestClient
 
 from hotpool.billing.db import Database
 from hotpool.billing.ledger import Ledger, UsageRecord
+from hotpool.billing.scale_events import ScaleEventRecord
 from hotpool.platform.app import build_services, create_app
 from hotpool.platform.services import Services
 from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig
@@ -288,6 +289,44 @@ def test_unknown_deployment_is_404(client: TestClient) -> None:
     assert err["code"] == "deployment_not_found"
 
 
+def test_scale_events_page_newest_first(
+    client: TestClient, services: Services, snapshot: Path
+) -> None:
+    spec = {"name": "scaled", "snapshot_uri": f"file://{snapshot}"}
+    assert client.post("/v1/deployments", json=spec).status_code == 201
+    store = services.scale_events.store
+    for i in range(3):
+        store.record(ScaleEventRecord("scaled", i, i + 1, f"load {i}"))
+    store.record(ScaleEventRecord("other", 0, 1, "request"))
+    page = client.get("/v1/deployments/scaled/events", params={"limit": 2}).json()
+    assert [e["reason"] for e in page["data"]] == ["load 2", "load 1"]
+    assert page["has_more"] is True
+    assert set(page["data"][0]) >= {"from_replicas", "to_replicas", "cold_start_seconds"}
+    rest = client.get(
+        "/v1/deployments/scaled/events", params={"before": page["next_before"]}
+    ).json()
+    assert [e["reason"] for e in rest["data"]] == ["load 0"] and rest["has_more"] is False
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"), ({"limit": "1001"}, "limit"),
+     ({"before": "-1"}, "before")],
+)  # fmt: skip
+def test_bad_scale_event_query_is_400(
+    client: TestClient, snapshot: Path, params: dict[str, str], param: str
+) -> None:
+    spec = {"name": "scaled", "snapshot_uri": f"file://{snapshot}"}
+    assert client.post("/v1/deployments", json=spec).status_code == 201
+    err = error_of(client.get("/v1/deployments/scaled/events", params=params), 400)
+    assert err["param"] == param
+
+
+def test_scale_events_of_unknown_deployment_is_404(client: TestClient) -> None:
+    err = error_of(client.get("/v1/deployments/ghost/events"), 404)
+    assert err["code"] == "deployment_not_found"
+
+
 # --- usage ------------------------------------------------------------------------------------
 
 DAY = timedelta(days=1)
@@ -476,6 +515,8 @@ def test_metrics_are_prometheus_text(client: TestClient) -> None:
     text = r.text
     assert "# TYPE hotpool_replicas gauge" in text
     assert "hotpool_workers 0.0" in text
+    assert 'hotpool_workers_by_state{state="idle"} 0.0' in text
+    assert "# TYPE hotpool_scale_events_total counter" in text
     assert "# TYPE hotpool_requests_total counter" in text
     assert "request_id" not in text
 

@@ -1,0 +1,296 @@
+"""The pool's worker slots and the autoscaler's decisions, in one event loop.
+
+Worker processes are stood in for by a backend that "starts" a worker by registering it at
+once, and the worker's HTTP API (/load, /unload) by an httpx mock transport: these tests
+check bookkeeping (who gets which slot, when, and why) in milliseconds. The same behaviour
+runs with real processes in tests/e2e/test_autoscale.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from hotpool.billing.deployments import DeploymentSpec
+from hotpool.pool.autoscaler import Autoscaler
+from hotpool.pool.backend import WorkerBackend, WorkerHandle
+from hotpool.pool.pool import ScaleEvent, WorkerPool
+from hotpool.pool.registry import WorkerRegistry
+from hotpool.pool.replica import Replica, ReplicaState
+from hotpool.worker.protocol import LoadResult, WorkerInfo
+
+
+class InstantBackend(WorkerBackend):
+    """Workers that register the moment they start; ``kill`` makes one exit."""
+
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self.registry = registry
+        self.running: set[str] = set()
+        self.exited: dict[str, str] = {}
+        self.started = 0
+
+    async def start(self, worker_id: str) -> WorkerHandle:
+        self.started += 1
+        self.running.add(worker_id)
+        info = WorkerInfo(worker_id, f"http://{worker_id}.test", 1000 + self.started, "cpu", 1)
+        asyncio.get_running_loop().call_soon(self.registry.register, info)
+        return WorkerHandle(worker_id, info.pid)
+
+    async def stop(self, handle: WorkerHandle, grace_s: float = 10.0) -> None:
+        self.running.discard(handle.worker_id)
+
+    def exit_reason(self, handle: WorkerHandle) -> str | None:
+        if handle.worker_id in self.exited:
+            return self.exited[handle.worker_id]
+        return None if handle.worker_id in self.running else "stopped"
+
+    def kill(self, worker_id: str) -> None:
+        self.running.discard(worker_id)
+        self.exited[worker_id] = "worker process exited with code -9"
+
+
+def _worker_api(request: httpx.Request) -> httpx.Response:
+    if request.url.path == "/load":
+        body: dict[str, Any] = LoadResult("d", "sha", True, {"load": 0.0}, "disk").to_json()
+        return httpx.Response(200, json=body)
+    return httpx.Response(200, json={"status": "unloaded"})
+
+
+def _spec(name: str, **kw: Any) -> DeploymentSpec:
+    return DeploymentSpec(name=name, snapshot_uri=f"file:///s/{name}", **kw)
+
+
+def _pool(
+    max_workers: int, warm: int = 0, **kw: Any
+) -> tuple[WorkerPool, InstantBackend, list[ScaleEvent]]:
+    registry = WorkerRegistry()
+    backend = InstantBackend(registry)
+    events: list[ScaleEvent] = []
+    pool = WorkerPool(
+        backend, registry, "t", max_workers, 5.0, warm_workers=warm, on_scale=events.append, **kw
+    )
+    pool.client = httpx.AsyncClient(transport=httpx.MockTransport(_worker_api))
+    return pool, backend, events
+
+
+async def _ready(replica: Replica) -> Replica:
+    await asyncio.wait_for(replica.ready.wait(), 5)
+    assert replica.error is None, replica.error
+    assert replica.state is ReplicaState.READY
+    return replica
+
+
+async def _settle(pool: WorkerPool) -> None:
+    for _ in range(50):
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.01)
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_slots_go_first_come_first_served_and_idle_replicas_are_evicted_lru() -> None:
+    async def scenario() -> None:
+        pool, _, events = _pool(max_workers=2)
+        a = await _ready(pool.scale_up(_spec("a")))
+        b = await _ready(pool.scale_up(_spec("b")))
+        a.last_used, b.last_used = 1.0, 2.0  # a is the least recently used
+        c = pool.scale_up(_spec("c"))
+        d = pool.scale_up(_spec("d"))
+        await _settle(pool)
+        await _ready(c)
+        await _ready(d)
+        evicted = [(e.deployment, e.reason) for e in events if "evicted" in e.reason]
+        assert evicted == [
+            ("a", "evicted (least recently used) for c"),  # the LRU one went first
+            ("b", "evicted (least recently used) for d"),  # then the next in line got b's
+        ]
+        assert {r.deployment for r in pool.replicas()} == {"c", "d"}
+        await pool.shutdown()
+
+    run(scenario)
+
+
+def test_busy_replicas_are_preempted_only_after_the_wait_and_never_below_min() -> None:
+    async def scenario() -> None:
+        pool, _, events = _pool(max_workers=2, preempt_after_s=0.3)
+        floor = await _ready(pool.scale_up(_spec("floor", min_replicas=1)))
+        busy = await _ready(pool.scale_up(_spec("busy")))
+        floor.inflight = busy.inflight = 1
+        waiting = pool.scale_up(_spec("waiting"))
+        await asyncio.sleep(0.15)
+        assert waiting.state is ReplicaState.QUEUED and busy.state is ReplicaState.READY
+        await asyncio.sleep(0.3)
+        pool._grant()  # what the autoscaler's tick does every second
+        await _settle(pool)
+        assert busy.state is ReplicaState.DRAINING  # takes no new requests, finishes its own
+        assert floor.state is ReplicaState.READY  # min_replicas is never preempted
+        busy.inflight = 0  # its last request finished
+        await _ready(waiting)
+        assert any(e.reason.startswith("preempted for waiting") for e in events)
+        await pool.shutdown()
+
+    run(scenario)
+
+
+def test_queued_replica_can_be_withdrawn_and_frees_its_place() -> None:
+    async def scenario() -> None:
+        pool, _, _ = _pool(max_workers=1, preempt_after_s=60)
+        held = await _ready(pool.scale_up(_spec("held")))
+        held.inflight = 1
+        queued = pool.scale_up(_spec("q"))
+        await _settle(pool)
+        assert queued.state is ReplicaState.QUEUED
+        assert pool.cancel(queued, "no demand")
+        await asyncio.wait_for(queued.ready.wait(), 1)
+        assert queued.error == "no demand" and pool.replicas("q") == []
+        assert not pool.cancel(held, "busy replicas are not withdrawn")
+        await pool.shutdown()
+
+    run(scenario)
+
+
+def test_dead_and_silent_workers_are_replaced_when_still_wanted() -> None:
+    async def scenario() -> None:
+        pool, backend, events = _pool(max_workers=3, heartbeat_timeout_s=0.2)
+        spec = _spec("d", idle_timeout_s=60)
+        first = await _ready(pool.scale_up(spec))
+        backend.kill(first.handle.worker_id)
+        assert [r.id for r in pool.reap_dead()] == [first.id]
+        (replacement,) = pool.replicas("d")
+        assert replacement.replacement and "worker died" in events[-2].reason
+        await _ready(replacement)
+
+        # Registered but silent (hung, SIGSTOPped): dead once the heartbeat timeout passes.
+        registered = pool.registry.get(replacement.handle.worker_id)
+        assert registered is not None
+        registered.last_seen = time.monotonic() - 1.0
+        (silent,) = pool.reap_dead()
+        assert silent is replacement and "no heartbeat" in (silent.error or "")
+        await _ready(pool.replicas("d")[0])
+
+        # Idle past its timeout when it died: not replaced (the next request cold-starts).
+        idle_spec = _spec("idle", idle_timeout_s=0.01)
+        idle = await _ready(pool.scale_up(idle_spec))
+        idle.last_used = time.monotonic() - 1.0
+        backend.kill(idle.handle.worker_id)
+        pool.reap_dead()
+        assert pool.replicas("idle") == []
+        await pool.shutdown()
+
+    run(scenario)
+
+
+def test_worker_failed_tells_dead_from_alive() -> None:
+    async def scenario() -> None:
+        pool, backend, _ = _pool(max_workers=2)
+        r = await _ready(pool.scale_up(_spec("d")))
+        assert await pool.worker_failed(r, settle_s=0.05) is False  # a glitch, still running
+        backend.kill(r.handle.worker_id)
+        assert await pool.worker_failed(r, settle_s=0.05) is True
+        assert r not in pool.replicas("d")
+        await pool.shutdown()
+
+    run(scenario)
+
+
+def _scaler(
+    pool: WorkerPool, specs: dict[str, DeploymentSpec], queued: dict[str, int], window: float
+) -> Autoscaler:
+    return Autoscaler(pool, lambda: specs, lambda n: queued.get(n, 0), scale_down_window_s=window)
+
+
+def test_autoscaler_scales_on_load_at_once_and_down_only_after_the_window() -> None:
+    async def scenario() -> None:
+        pool, _, events = _pool(max_workers=4)
+        spec = _spec("d", max_replicas=3, target_concurrency=2, idle_timeout_s=60)
+        queued = {"d": 1}
+        scaler = _scaler(pool, {"d": spec}, queued, window=0.3)
+        await scaler.tick()
+        (first,) = pool.replicas("d")
+        await _ready(first)
+        queued["d"] = 0
+        first.inflight = 5  # ceil(5 / 2) = 3 replicas wanted
+        await scaler.tick()
+        assert len(pool.replicas("d")) == 3
+        assert events[-1].reason == "load 5 > 1 x target_concurrency 2"
+        for r in pool.replicas("d"):
+            await _ready(r)
+        first.inflight = 0
+        await scaler.tick()
+        assert len(pool.replicas("d")) == 3  # within the window: no flapping
+        await asyncio.sleep(0.35)
+        await scaler.tick()
+        await _settle(pool)
+        # Down to one (the idle timeout, not the window, takes the last one to zero).
+        assert len([r for r in pool.replicas("d") if r.state is ReplicaState.READY]) == 1
+        assert len([e for e in events if e.to_replicas > e.from_replicas]) == 3
+        await pool.shutdown()
+
+    run(scenario)
+
+
+def test_autoscaler_keeps_min_replicas_and_scales_to_zero_after_idle_timeout() -> None:
+    async def scenario() -> None:
+        pool, _, events = _pool(max_workers=3)
+        specs = {"kept": _spec("kept", min_replicas=1, idle_timeout_s=0.05),
+                 "gone": _spec("gone", idle_timeout_s=0.05)}  # fmt: skip
+        scaler = _scaler(pool, specs, {}, window=0.0)
+        await scaler.tick()
+        (kept,) = pool.replicas("kept")
+        assert events[-1].reason == "min_replicas=1"
+        gone = await _ready(pool.scale_up(specs["gone"]))
+        await _ready(kept)
+        await asyncio.sleep(0.1)
+        await scaler.tick()
+        await _settle(pool)
+        assert pool.replicas("gone") == [] and gone.state is ReplicaState.DRAINING
+        assert pool.replicas("kept") == [kept]
+        assert any(e.deployment == "gone" and e.reason == "idle timeout" for e in events)
+        await pool.shutdown()
+
+    run(scenario)
+
+
+def test_autoscaler_withdraws_queued_replicas_nobody_waits_for_any_more() -> None:
+    async def scenario() -> None:
+        pool, _, _ = _pool(max_workers=1, preempt_after_s=60)
+        held = await _ready(pool.scale_up(_spec("held")))
+        held.inflight = 1
+        queued = {"q": 1}
+        specs = {"held": _spec("held"), "q": _spec("q")}
+        scaler = _scaler(pool, specs, queued, window=0.0)
+        await scaler.tick()
+        (waiting,) = pool.replicas("q")
+        await _settle(pool)
+        assert waiting.state is ReplicaState.QUEUED
+        queued["q"] = 0  # its only request timed out
+        await scaler.tick()
+        assert pool.replicas("q") == [] and waiting.error is not None
+        await pool.shutdown()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("warm", [0, 1])
+def test_workers_by_state_counts_every_process(warm: int) -> None:
+    async def scenario() -> None:
+        pool, backend, _ = _pool(max_workers=2, warm=warm)
+        pool.start()
+        await _settle(pool)
+        r = await _ready(pool.scale_up(_spec("d")))
+        await _settle(pool)
+        counts = pool.workers_by_state()
+        assert counts["serving"] == 1 and counts["idle"] == warm
+        assert sum(counts.values()) == len(backend.running)
+        r.inflight = 0
+        await pool.shutdown()
+        assert backend.running == set()
+
+    run(scenario)
