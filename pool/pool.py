@@ -25,24 +25,13 @@ import httpx
 
 from hotpool.billing.deployments import DeploymentSpec
 from hotpool.pool.backend import WorkerBackend, WorkerHandle
+from hotpool.pool.launcher import WorkerLauncher
 from hotpool.pool.registry import WorkerRegistry
 from hotpool.pool.replica import Replica, ReplicaState
 from hotpool.pool.warm import IdleWorker, WarmPool
-from hotpool.worker.protocol import LoadRequest, LoadResult, WorkerInfo
+from hotpool.worker.protocol import WorkerInfo
 
 log = logging.getLogger("hotpool.pool")
-
-
-class PoolError(Exception):
-    """The pool cannot give this deployment a replica now; ``retry_after_s`` is a hint."""
-
-    def __init__(self, message: str, retry_after_s: int = 5) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class ColdStartFailed(PoolError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -73,8 +62,10 @@ class WorkerPool:
     ) -> None:
         self.backend = backend
         self.registry = registry
+        self.launcher = WorkerLauncher(
+            backend, registry, worker_token, start_timeout_s, lambda: self._closing
+        )
         self.max_workers = max_workers
-        self.start_timeout_s = start_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.preempt_after_s = preempt_after_s
         self.on_scale = on_scale or (lambda e: None)
@@ -88,18 +79,18 @@ class WorkerPool:
         self._evicting = 0  # releases under way to make room for the queue's head
         self.warm = WarmPool(
             min(warm_workers, max_workers),
-            self._start_worker,
-            self._stop_worker,
+            self.launcher.start,
+            self.launcher.stop,
             room=lambda: not self._slot_queue and self._processes() < self.max_workers,
             on_idle=self._grant,
         )
         self._unloading = 0  # released workers between replica and idle (still processes)
         self._closing = False
-        # Worker calls can stream for minutes; only connecting is bounded.
-        self.client = httpx.AsyncClient(
-            headers={"authorization": f"Bearer {worker_token}"},
-            timeout=httpx.Timeout(None, connect=10.0),
-        )
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The HTTP client that talks to workers (the invoker streams through it too)."""
+        return self.launcher.client
 
     def replicas(self, deployment: str | None = None) -> list[Replica]:
         return [r for r in self._replicas.values() if deployment in (None, r.deployment)]
@@ -195,7 +186,7 @@ class WorkerPool:
         await asyncio.gather(
             self.warm.close(), *(self._remove(r, "shutdown") for r in self.replicas())
         )
-        await self.client.aclose()
+        await self.launcher.close()
 
     # --- dead workers ---------------------------------------------------------------------
 
@@ -240,7 +231,7 @@ class WorkerPool:
         was_draining = replica.state is ReplicaState.DRAINING
         log.warning("replica %s of %s lost: %s", replica.id, replica.deployment, replica.error)
         self._forget(replica, f"worker died: {replica.error}")
-        self._spawn(self._stop_worker(replica.handle, grace_s=0.0))  # a hung one holds memory
+        self._spawn(self.launcher.stop(replica.handle, grace_s=0.0))  # a hung one holds memory
         spec = self._specs.get(replica.deployment)
         if spec is None or was_draining or self._closing:
             return
@@ -352,10 +343,10 @@ class WorkerPool:
             if worker is not None:
                 replica.handle, replica.worker = worker.handle, worker.info
             else:
-                replica.handle, replica.worker = await self._start_worker(replica.handle.worker_id)
+                replica.handle, replica.worker = await self.launcher.start(replica.handle.worker_id)
             t1 = time.monotonic()
             replica.state = ReplicaState.LOADING
-            load = await self._load(replica.worker, spec)
+            load = await self.launcher.load(replica.worker, spec)
             phases = {"queue": t0 - replica.requested_at, "start": t1 - t0, **load.phases}
             replica.load = replace(load, phases=phases)
             replica.cold_start_seconds = time.monotonic() - replica.requested_at
@@ -378,44 +369,6 @@ class WorkerPool:
         finally:
             replica.ready.set()
 
-    async def _start_worker(self, worker_id: str) -> tuple[WorkerHandle, WorkerInfo]:
-        """Start a worker process and wait for it to register; stops it if that fails."""
-        self.registry.expect(worker_id)
-        handle = await self.backend.start(worker_id)
-        try:
-            return handle, await self._wait_registered(handle, time.monotonic())
-        except BaseException:
-            self.registry.forget(worker_id)
-            with contextlib.suppress(Exception):
-                await self.backend.stop(handle)
-            raise
-
-    async def _wait_registered(self, handle: WorkerHandle, t0: float) -> WorkerInfo:
-        while True:
-            if self._closing:
-                raise ColdStartFailed("the pool is shutting down")
-            try:
-                return await self.registry.wait_registered(handle.worker_id, 0.25)
-            except TimeoutError:
-                pass
-            if why := self.backend.exit_reason(handle):
-                raise ColdStartFailed(why)
-            if time.monotonic() - t0 > self.start_timeout_s:
-                raise ColdStartFailed(f"worker did not register within {self.start_timeout_s:.0f}s")
-
-    async def _load(self, worker: WorkerInfo, spec: DeploymentSpec) -> LoadResult:
-        body = LoadRequest(spec.name, spec.snapshot_uri).to_json()
-        r = await self.client.post(
-            f"{worker.address}/load", json=body, timeout=self.start_timeout_s
-        )
-        if r.status_code != 200:
-            try:
-                message = r.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = r.text[:500]
-            raise ColdStartFailed(message)
-        return LoadResult.from_json(r.json())
-
     async def _remove(self, replica: Replica, reason: str, keep_warm: bool = False) -> None:
         if self._replicas.pop(replica.id, None) is None:
             return
@@ -428,7 +381,7 @@ class WorkerPool:
         finally:
             self._unloading -= 1
             if info is None:  # also when cancelled mid-unload: never orphan the process
-                await self._stop_worker(replica.handle)
+                await self.launcher.stop(replica.handle)
         if info is not None:
             self.warm.offer(IdleWorker(replica.handle, info, replica.deployment))
         self._grant()  # a queued cold start takes the freed slot before the warm pool does
@@ -444,17 +397,8 @@ class WorkerPool:
             or self.backend.exit_reason(replica.handle)
         ):
             return None
-        try:
-            r = await self.client.post(f"{worker.address}/unload", timeout=30.0)
-        except httpx.HTTPError as exc:
-            log.warning("unload of %s failed: %s", replica.id, exc)
-            return None
-        return worker if r.status_code == 200 and not self._closing else None
-
-    async def _stop_worker(self, handle: WorkerHandle, grace_s: float = 10.0) -> None:
-        self.registry.forget(handle.worker_id)
-        with contextlib.suppress(Exception):
-            await self.backend.stop(handle, grace_s)
+        unloaded = await self.launcher.unload(worker, replica.id)
+        return worker if unloaded and not self._closing else None
 
     def _forget(self, replica: Replica, reason: str) -> None:
         if self._replicas.pop(replica.id, None) is None:

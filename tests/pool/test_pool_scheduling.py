@@ -74,7 +74,7 @@ def _pool(
     pool = WorkerPool(
         backend, registry, "t", max_workers, 5.0, warm_workers=warm, on_scale=events.append, **kw
     )
-    pool.client = httpx.AsyncClient(transport=httpx.MockTransport(_worker_api))
+    pool.launcher.client = httpx.AsyncClient(transport=httpx.MockTransport(_worker_api))
     return pool, backend, events
 
 
