@@ -19,7 +19,7 @@ from hotpool.billing.db import Database
 from hotpool.billing.models import DEFAULT_TENANT_ID, STATUSES, UsageEvent, utcnow
 
 REQUEST_ID_MAX_LEN = 64
-# Rows per INSERT: 15 columns each stays far below SQLite's bound-parameter limit.
+# Rows per INSERT: 16 columns each stays far below SQLite's bound-parameter limit.
 _BATCH = 500
 
 
@@ -28,6 +28,7 @@ class UsageRecord:
     """The billable usage of one request, as the worker counted it.
 
     ``created_at`` is when the request finished; None means "now" at recording time.
+    ``api_key_id`` is the key the request was made with (None when auth is off).
     Invalid values raise :class:`ValueError` on construction.
     """
 
@@ -45,6 +46,7 @@ class UsageRecord:
     cold_start: bool = False
     error: str | None = None
     created_at: datetime | None = None
+    api_key_id: int | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > REQUEST_ID_MAX_LEN:
@@ -69,6 +71,9 @@ class UsageRecord:
                 raise ValueError(f"{name} must be >= 0 or None, got {value!r}")
         if self.created_at is not None and self.created_at.utcoffset() is None:
             raise ValueError("created_at must be timezone-aware")
+        key = self.api_key_id
+        if key is not None and (isinstance(key, bool) or not isinstance(key, int) or key < 1):
+            raise ValueError(f"api_key_id must be an integer >= 1 or None, got {key!r}")
 
     @property
     def total_tokens(self) -> int:
@@ -114,6 +119,7 @@ class Ledger:
 _FIELDS = (
     "request_id",
     "tenant_id",
+    "api_key_id",
     "deployment",
     "endpoint",
     "status",

@@ -1,4 +1,4 @@
-"""SQLAlchemy models of the ledger: tenants, deployments, usage events and scale events.
+"""SQLAlchemy models of the ledger: tenants, API keys, deployments, usage and scale events.
 
 The Alembic migrations in ``hotpool.migrations.versions`` are written by hand and must agree
 with these models; ``tests/billing/test_migrations.py`` checks that they do. Constraint names
@@ -84,6 +84,27 @@ class Tenant(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+class ApiKey(Base):
+    """An API key of a tenant. The key itself is never stored, only its SHA-256 digest.
+
+    ``prefix`` is the key's visible start ("hp_" and 8 characters): unique, so a presented
+    key is found by its prefix and then checked against ``key_hash``, and listings can name
+    a key without revealing it. ``scopes`` is a comma-separated list in sorted order.
+    """
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    name: Mapped[str | None] = mapped_column(String(128))
+    prefix: Mapped[str] = mapped_column(String(16), unique=True, index=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    scopes: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
 class Deployment(Base):
     __tablename__ = "deployments"
     __table_args__ = (
@@ -125,6 +146,8 @@ class UsageEvent(Base):
     id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
     request_id: Mapped[str] = mapped_column(String(64), unique=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    # The key that made the request (None without auth); no foreign key: usage outlives keys.
+    api_key_id: Mapped[int | None] = mapped_column(Integer)
     # The name, not a foreign key: usage outlives the deployment it was served by.
     deployment: Mapped[str] = mapped_column(String(128))
     endpoint: Mapped[str] = mapped_column(String(64))

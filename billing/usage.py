@@ -114,6 +114,7 @@ def usage_buckets(
     bucket_width: BucketWidth = "1d",
     deployment: str | None = None,
     group_by_deployment: bool = True,
+    tenant_id: int | None = None,
 ) -> list[UsageBucketRow]:
     """Token sums of the events with ``start <= created_at < end``, per UTC-aligned bucket.
 
@@ -121,7 +122,8 @@ def usage_buckets(
     by bucket start, then deployment name. A bucket's ``start`` is its UTC boundary, which may
     fall before ``start`` when ``start`` is not aligned; its sums still only count events in
     [start, end). With ``group_by_deployment=False`` each bucket is one row whose
-    ``deployment`` is ``deployment`` if given, else :data:`ALL_DEPLOYMENTS`.
+    ``deployment`` is ``deployment`` if given, else :data:`ALL_DEPLOYMENTS`. ``tenant_id``
+    keeps only that tenant's events (None: every tenant's).
     """
     _check_range(start, end, bucket_width)
     bucket = _utc_bucket(UsageEvent.created_at, bucket_width).label("bucket")
@@ -144,6 +146,8 @@ def usage_buckets(
     )
     if deployment is not None:
         stmt = stmt.where(UsageEvent.deployment == deployment)
+    if tenant_id is not None:
+        stmt = stmt.where(UsageEvent.tenant_id == tenant_id)
     width = BUCKET_WIDTHS[bucket_width]
     fixed_name = deployment if deployment is not None else ALL_DEPLOYMENTS
     with db.engine.connect() as conn:

@@ -14,6 +14,7 @@ import httpx
 from hotpool import __version__
 from hotpool.cli_common import settings_or_exit as _settings
 from hotpool.cli_common import snapshot_uri as _snapshot_uri
+from hotpool.cli_keys import keys, tenants
 from hotpool.cli_snapshot import models, snapshot
 
 
@@ -282,3 +283,5 @@ def db_current() -> None:
 # Registered last: the snapshot commands live in their own module.
 main.add_command(models)
 main.add_command(snapshot)
+main.add_command(tenants)
+main.add_command(keys)

@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 T = TypeVar("T")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+AUTH_MODES = ("auto", "keys", "none")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -50,6 +52,7 @@ class Settings:
     queue_timeout_s: float = 300.0
     max_queue: int = 256
     log_level: str = "info"
+    auth: str = "auto"  # keys: API keys required; none: local-only; auto: none on loopback
     kv_cache_bytes: int = 1 << 30  # per worker
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -57,6 +60,13 @@ class Settings:
     host_cache_bytes: int = 4 << 30  # per worker: unloaded models kept in RAM (0 = off)
     s3_endpoint_url: str | None = None  # None: AWS S3 itself (MinIO, R2: their URL)
     worker_token: str | None = field(default=None, repr=False)
+
+    @property
+    def auth_enabled(self) -> bool:
+        """Whether requests need an API key: always, unless ``none`` or ``auto`` on loopback."""
+        if self.auth == "auto":
+            return self.host not in LOOPBACK_HOSTS
+        return self.auth == "keys"
 
     @property
     def snapshots_dir(self) -> Path:
@@ -194,6 +204,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         queue_timeout_s=_parse(env, "HOTPOOL_QUEUE_TIMEOUT_S", 300.0, _positive_float),
         max_queue=_parse(env, "HOTPOOL_MAX_QUEUE", 256, _positive_int),
         log_level=_parse(env, "HOTPOOL_LOG_LEVEL", "info", _one_of(LOG_LEVELS)),
+        auth=_parse(env, "HOTPOOL_AUTH", "auto", _one_of(AUTH_MODES)),
         kv_cache_bytes=_parse(env, "HOTPOOL_KV_CACHE_BYTES", 1 << 30, _byte_size),
         max_num_seqs=_parse(env, "HOTPOOL_MAX_NUM_SEQS", 64, _positive_int),
         max_num_batched_tokens=_parse(env, "HOTPOOL_MAX_NUM_BATCHED_TOKENS", 2048, _positive_int),

@@ -15,9 +15,18 @@ from starlette.routing import Route
 
 from hotpool.billing.db import Database
 from hotpool.billing.deployments import DeploymentStore
+from hotpool.billing.keys import KeyStore
 from hotpool.billing.ledger import Ledger
 from hotpool.billing.scale_events import ScaleEventStore
-from hotpool.platform import deployments_api, internal_api, openai_routes, usage_api
+from hotpool.billing.tenants import TenantStore
+from hotpool.platform import (
+    admin_api,
+    deployments_api,
+    internal_api,
+    openai_routes,
+    usage_api,
+)
+from hotpool.platform.auth import Authenticator
 from hotpool.platform.catalog import DeploymentCatalog
 from hotpool.platform.errors import EXCEPTION_HANDLERS
 from hotpool.platform.invoke import Invoker
@@ -73,6 +82,7 @@ def build_services(
         scale_log.cold_start_done(replica)
 
     pool.on_scale, pool.on_ready = on_scale, on_ready
+    keys = KeyStore(db)
     return Services(
         settings=settings,
         db=db,
@@ -87,6 +97,9 @@ def build_services(
         autoscaler=autoscaler,
         metrics=metrics,
         worker_token=worker_token,
+        auth=Authenticator(keys, enabled=settings.auth_enabled),
+        tenants=TenantStore(db),
+        keys=keys,
     )
 
 
@@ -114,6 +127,12 @@ async def metrics(request: Request) -> Response:
 def create_app(services: Services) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if not services.auth.enabled:
+            log.warning(
+                "AUTHENTICATION IS OFF (local-only mode): every caller acts as the default "
+                "tenant with every scope. Set HOTPOOL_AUTH=keys and create keys with "
+                "`hotpool keys create` before exposing this server."
+            )
         services.ledger_writer.start()
         services.scale_events.start()
         services.pool.start()  # fill the warm pool in the background
@@ -133,11 +152,12 @@ def create_app(services: Services) -> Starlette:
         *openai_routes.routes,
         *deployments_api.routes,
         *usage_api.routes,
+        *admin_api.routes,
         *internal_api.routes,
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(RequestIdMiddleware)],
+        middleware=[Middleware(RequestIdMiddleware, auth_off=not services.auth.enabled)],
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=lifespan,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from starlette.routing import Route
 
 from hotpool.billing.deployments import DeploymentExists, DeploymentSpec
 from hotpool.billing.scale_events import ScaleEventRecord
+from hotpool.platform.auth import authorize, owned
 from hotpool.platform.errors import APIError, invalid
 from hotpool.platform.services import Services, read_json
 from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES
@@ -95,8 +97,10 @@ def deployment_json(spec: DeploymentSpec, services: Services) -> dict[str, Any]:
 
 
 async def create_deployment(request: Request) -> Response:
+    principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
     spec = parse_deployment(await read_json(request), services.settings.default_idle_timeout_s)
+    spec = replace(spec, tenant_id=principal.tenant_id)
     try:
         created = await services.catalog.create(spec)
     except DeploymentExists:
@@ -107,15 +111,18 @@ async def create_deployment(request: Request) -> Response:
 
 
 async def list_deployments(request: Request) -> Response:
+    principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
-    specs = sorted(services.catalog.all().values(), key=lambda s: s.name)
+    mine = (s for s in services.catalog.all().values() if s.tenant_id == principal.tenant_id)
+    specs = sorted(mine, key=lambda s: s.name)
     return JSONResponse({"object": "list", "data": [deployment_json(s, services) for s in specs]})
 
 
 async def get_deployment(request: Request) -> Response:
+    principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
     name = request.path_params["name"]
-    spec = services.catalog.get(name)
+    spec = owned(services.catalog.get(name), principal)
     if spec is None:
         raise APIError(404, f"deployment {name!r} does not exist", code="deployment_not_found")
     return JSONResponse(deployment_json(spec, services))
@@ -123,9 +130,10 @@ async def get_deployment(request: Request) -> Response:
 
 async def list_scale_events(request: Request) -> Response:
     """``GET /v1/deployments/{name}/events?limit=&before=``: scale events, newest first."""
+    principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
     name = request.path_params["name"]
-    if services.catalog.get(name) is None:
+    if owned(services.catalog.get(name), principal) is None:
         raise APIError(404, f"deployment {name!r} does not exist", code="deployment_not_found")
     limit = _query_int(request, "limit", 100, 1, 1000)
     before = _query_int(request, "before", None, 1, None)

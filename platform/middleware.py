@@ -25,8 +25,10 @@ class RequestIdMiddleware:
     (Starlette's own error middleware sits outside this one).
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, auth_off: bool = False) -> None:
         self.app = app
+        # Local-only mode says so on every response, so nobody mistakes it for production.
+        self.extra = [(b"x-hotpool-auth", b"off")] if auth_off else []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -43,6 +45,7 @@ class RequestIdMiddleware:
                 message["headers"] = [
                     *message.get("headers", []),
                     (b"x-request-id", request_id.encode()),
+                    *self.extra,
                 ]
             await send(message)
 

@@ -9,7 +9,10 @@ from typing import Any
 from starlette.requests import Request
 
 from hotpool.billing.db import Database
+from hotpool.billing.keys import KeyStore
 from hotpool.billing.ledger import Ledger
+from hotpool.billing.tenants import TenantStore
+from hotpool.platform.auth import Authenticator
 from hotpool.platform.catalog import DeploymentCatalog
 from hotpool.platform.errors import APIError
 from hotpool.platform.invoke import Invoker
@@ -40,6 +43,9 @@ class Services:
     autoscaler: Autoscaler
     metrics: Metrics
     worker_token: str
+    auth: Authenticator
+    tenants: TenantStore
+    keys: KeyStore
 
 
 async def read_json(request: Request) -> Any:

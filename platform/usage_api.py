@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hotpool.billing.usage import BUCKET_WIDTHS, UsageBucketRow, floor_to_bucket, usage_buckets
+from hotpool.platform.auth import authorize
 from hotpool.platform.errors import invalid
 from hotpool.platform.services import Services
 
@@ -42,6 +43,8 @@ def _time_param(request: Request, name: str) -> datetime | None:
 
 
 async def get_usage(request: Request) -> Response:
+    """A tenant sees its own usage; an ``admin`` key sees every tenant's."""
+    principal = await authorize(request, "usage")
     services: Services = request.app.state.services
     q = request.query_params
     unknown = sorted(set(q) - PARAMS)
@@ -75,8 +78,9 @@ async def get_usage(request: Request) -> Response:
     starts = [first + i * step for i in range(min(limit, total))]
     page_end = min(end, starts[-1] + step)
     model = q.get("models")
+    tenant = None if principal.is_admin else principal.tenant_id
     rows = await asyncio.to_thread(
-        usage_buckets, services.db, start, page_end, width, model, group_by == "model"
+        usage_buckets, services.db, start, page_end, width, model, group_by == "model", tenant
     )
     by_start: dict[datetime, list[UsageBucketRow]] = {}
     for row in rows:

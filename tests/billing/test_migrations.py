@@ -13,8 +13,8 @@ from sqlalchemy import inspect, select, text
 from hotpool.billing.db import Database, migrations_dir
 from hotpool.billing.models import Base, Tenant
 
-LEDGER_TABLES = {"tenants", "deployments", "usage_events", "scale_events"}
-HEAD = "0002"
+LEDGER_TABLES = {"tenants", "api_keys", "deployments", "usage_events", "scale_events"}
+HEAD = "0003"
 
 
 def _tables(db: Database) -> set[str]:
@@ -38,12 +38,12 @@ def test_upgrade_downgrade_upgrade_round_trip(empty_db: Database) -> None:
         assert session.scalars(select(Tenant.name)).all() == ["default"]
 
 
-def test_downgrade_to_0001_drops_only_scale_events(db: Database) -> None:
+def test_downgrade_to_0001_drops_only_scale_events_and_api_keys(db: Database) -> None:
     db.downgrade("0001")
     assert db.current_revision() == "0001"
-    assert _tables(db) == (LEDGER_TABLES - {"scale_events"}) | {"alembic_version"}
+    assert _tables(db) == (LEDGER_TABLES - {"scale_events", "api_keys"}) | {"alembic_version"}
     db.upgrade()
-    assert "scale_events" in _tables(db)
+    assert {"scale_events", "api_keys"} <= _tables(db)
 
 
 def test_upgrade_twice_is_a_no_op(db: Database) -> None:
@@ -114,6 +114,7 @@ def test_offline_mode_renders_sql(empty_db: Database) -> None:
     sql = config.output_buffer.getvalue()
     assert "CREATE TABLE usage_events" in sql
     assert "CREATE TABLE scale_events" in sql
+    assert "CREATE TABLE api_keys" in sql
     assert "INSERT INTO tenants" in sql
     assert empty_db.current_revision() is None  # nothing ran
 
@@ -124,6 +125,7 @@ def test_migrations_ship_inside_the_package() -> None:
     assert (folder / "script.py.mako").is_file()
     assert (folder / "versions" / "0001_initial.py").is_file()
     assert (folder / "versions" / "0002_scale_events.py").is_file()
+    assert (folder / "versions" / "0003_api_keys.py").is_file()
     script = ScriptDirectory(str(folder))
     assert script.get_heads() == [HEAD]
 

@@ -1,0 +1,120 @@
+"""Who is calling: API keys, scopes and the tenant every object access is scoped to.
+
+Keys arrive as ``Authorization: Bearer hp_...`` (what the ``openai`` client sends) and are
+checked against their SHA-256 hash in SQL (:mod:`hotpool.billing.keys`). Each route states
+the scope it needs with :func:`authorize`; the answer is a :class:`Principal` whose tenant
+scopes every lookup, so another tenant's deployment is a 404, never a 403 that confirms it
+exists.
+
+``HOTPOOL_AUTH=none`` (the default when listening on loopback only) is the laptop mode:
+no keys, every caller is the default tenant with every scope. It says so at start-up and
+on every response (``x-hotpool-auth: off``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from hotpool.billing.deployments import DeploymentSpec
+from hotpool.billing.keys import ApiKeyRecord, KeyStore
+from hotpool.billing.models import DEFAULT_TENANT_ID
+from hotpool.platform.errors import APIError
+
+log = logging.getLogger("hotpool.auth")
+
+TOUCH_EVERY_S = 60.0  # last_used_at is kept to the minute: one UPDATE per key per minute
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant_id: int
+    key: ApiKeyRecord | None  # None: local-only mode, no keys
+
+    def allows(self, scope: str) -> bool:
+        return self.key is None or self.key.allows(scope)
+
+    @property
+    def key_id(self) -> int | None:
+        return self.key.id if self.key else None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.allows("admin")
+
+
+LOCAL = Principal(DEFAULT_TENANT_ID, None)
+
+
+class Authenticator:
+    def __init__(self, keys: KeyStore, enabled: bool) -> None:
+        self.keys = keys
+        self.enabled = enabled
+        self._touched: dict[int, float] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def principal(self, request: Request) -> Principal:
+        if not self.enabled:
+            return LOCAL
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(
+                401,
+                "You didn't provide an API key. Send it as `Authorization: Bearer hp_...`; "
+                "`hotpool keys create` makes one.",
+                code="missing_api_key",
+            )
+        key = await asyncio.to_thread(self.keys.authenticate, token)
+        if key is None:
+            shown = token[:11] + "..." if len(token) > 11 else token[:3] + "..."
+            raise APIError(
+                401, f"Incorrect API key provided: {shown}; it is unknown or revoked.",
+                code="invalid_api_key",
+            )  # fmt: skip
+        self._touch(key)
+        return Principal(key.tenant_id, key)
+
+    def _touch(self, key: ApiKeyRecord) -> None:
+        now = time.monotonic()
+        if now - self._touched.get(key.id, -TOUCH_EVERY_S) < TOUCH_EVERY_S:
+            return
+        self._touched[key.id] = now
+
+        async def touch() -> None:
+            try:
+                await asyncio.to_thread(self.keys.touch, key.id)
+            except Exception:  # bookkeeping only: never fail a request for it
+                log.warning("could not record last use of key %s", key.prefix, exc_info=True)
+
+        task = asyncio.get_running_loop().create_task(touch())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def authorize(request: Request, scope: str) -> Principal:
+    """The caller, if its key has ``scope`` (admin has every scope); else 401 or 403."""
+    auth: Authenticator = request.app.state.services.auth
+    principal = await auth.principal(request)
+    if not principal.allows(scope):
+        raise APIError(
+            403,
+            f"this API key lacks the `{scope}` scope (it has "
+            f"{', '.join(sorted(principal.key.scopes)) if principal.key else 'none'})",
+            type="permission_error",
+            code="insufficient_scope",
+        )
+    request.scope.setdefault("state", {})["principal"] = principal
+    return principal
+
+
+def owned(spec: DeploymentSpec | None, principal: Principal) -> DeploymentSpec | None:
+    """``spec`` if it belongs to the caller's tenant: others' deployments do not exist."""
+    if spec is None or spec.tenant_id != principal.tenant_id:
+        return None
+    return spec
