@@ -1,19 +1,27 @@
-"""Deployments as stored: a name, the snapshot it serves and its scaling policy."""
+"""Deployments as stored: a name, the snapshot it serves, how replicas load it and its
+scaling policy."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import case, delete, or_, select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from hotpool.billing.db import Database
-from hotpool.billing.models import DEFAULT_TENANT_ID, Deployment, utcnow
+from hotpool.billing.models import DEFAULT_TENANT_ID, DTYPES, Deployment, utcnow
 
 NAME_MAX_LEN = 128
+MIN_MAX_MODEL_LEN = 16
+MIN_KV_CACHE_BYTES = 1 << 20
+# What a replica loads: a change to any of these needs new replicas (a new generation).
+REPLICA_FIELDS = ("snapshot_uri", "dtype", "max_model_len", "kv_cache_bytes")
+# Fields the store owns or that identify the deployment: update() cannot change them.
+FIXED_FIELDS = frozenset({"name", "tenant_id", "created_at", "generation"})
 
 
 class DeploymentExists(Exception):
@@ -36,7 +44,14 @@ class DeploymentNotFound(Exception):
 class DeploymentSpec:
     """What a user asks for when deploying a model; invalid values raise ValueError.
 
-    ``created_at`` is set by the store; it is ignored when a spec is written.
+    The optional settings are None for "the default": the server's for ``max_queue``
+    (requests that may wait for a replica), ``queue_timeout_s`` and ``kv_cache_bytes`` (the
+    KV cache budget of each replica); the snapshot's for ``dtype`` and ``max_model_len``
+    (the context length cap).
+
+    ``created_at`` and ``generation`` are set by the store and ignored when a spec is
+    written; ``generation`` starts at 1 and goes up by one each time an update changes what
+    replicas run (see :func:`runs_differently`).
     """
 
     name: str
@@ -47,6 +62,12 @@ class DeploymentSpec:
     idle_timeout_s: float = 300.0
     tenant_id: int = DEFAULT_TENANT_ID
     created_at: datetime | None = None
+    max_queue: int | None = None
+    queue_timeout_s: float | None = None
+    dtype: str | None = None
+    max_model_len: int | None = None
+    kv_cache_bytes: int | None = None
+    generation: int = 1
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > NAME_MAX_LEN:
@@ -70,6 +91,39 @@ class DeploymentSpec:
             raise ValueError(
                 f"idle_timeout_s must be a finite number >= 0, got {self.idle_timeout_s}"
             )
+        for name, minimum in (
+            ("max_queue", 1),
+            ("max_model_len", MIN_MAX_MODEL_LEN),
+            ("kv_cache_bytes", MIN_KV_CACHE_BYTES),
+        ):
+            value = getattr(self, name)
+            if value is not None and not _int_at_least(value, minimum):
+                raise ValueError(f"{name} must be an integer >= {minimum} or None, got {value!r}")
+        timeout = self.queue_timeout_s
+        if timeout is not None and not (
+            isinstance(timeout, int | float)
+            and not isinstance(timeout, bool)
+            and math.isfinite(timeout)
+            and timeout > 0
+        ):
+            raise ValueError(
+                f"queue_timeout_s must be a finite number > 0 or None, got {timeout!r}"
+            )
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(
+                f"dtype must be one of {', '.join(DTYPES)} or None, got {self.dtype!r}"
+            )
+        if not _int_at_least(self.generation, 1):
+            raise ValueError(f"generation must be an integer >= 1, got {self.generation!r}")
+
+
+def runs_differently(old: DeploymentSpec, new: DeploymentSpec) -> bool:
+    """True when replicas loaded for ``old`` cannot serve ``new`` (its snapshot, dtype,
+    context length or KV cache budget differ); scaling and queueing settings do not count."""
+    return any(getattr(old, name) != getattr(new, name) for name in REPLICA_FIELDS)
+
+
+UPDATABLE_FIELDS = tuple(f.name for f in fields(DeploymentSpec) if f.name not in FIXED_FIELDS)
 
 
 class DeploymentStore:
@@ -102,13 +156,61 @@ class DeploymentStore:
         with self.db.session() as session:
             return [_spec(row) for row in session.scalars(stmt)]
 
+    def update(self, name: str, /, **changes: Any) -> DeploymentSpec:
+        """Change some settings of deployment ``name`` and return its new spec.
+
+        ``changes`` are spec fields other than those in :data:`FIXED_FIELDS` (anything else
+        raises TypeError); the result is validated as a whole (ValueError, nothing written).
+        The generation goes up by one when the change :func:`runs_differently`. Raises
+        DeploymentNotFound if there is no such deployment. Concurrent updates serialize: each
+        applies its changes to the row as the previous one left it.
+        """
+        unknown = sorted(set(changes) - set(UPDATABLE_FIELDS))
+        if unknown:
+            raise TypeError(
+                f"cannot update {', '.join(map(repr, unknown))}; updatable fields:"
+                f" {', '.join(UPDATABLE_FIELDS)}"
+            )
+        with self.db.session() as session, session.begin():
+            row = self._read_for_update(session, name)
+            old = _spec(row)
+            new = replace(old, **changes)
+            if runs_differently(old, new):
+                new = replace(new, generation=old.generation + 1)
+            for key, value in _values(new).items():
+                setattr(row, key, value)
+            row.generation = new.generation
+            row.updated_at = utcnow()
+        return _spec(row)
+
+    def _read_for_update(self, session: Session, name: str) -> Deployment:
+        """The row of ``name``, locked against other writers until the transaction ends."""
+        if self.db.is_sqlite:
+            # pysqlite only opens a transaction at the first write, so a read before it would
+            # not be protected: take SQLite's write lock (it has no row locks) before reading.
+            # The busy timeout makes a concurrent update wait for it.
+            session.connection().exec_driver_sql("BEGIN IMMEDIATE")
+        stmt = select(Deployment).where(Deployment.name == name).with_for_update()
+        row = session.scalar(stmt)
+        if row is None:
+            raise DeploymentNotFound(name)
+        return row
+
     def upsert(self, spec: DeploymentSpec) -> DeploymentSpec:
-        """Create the deployment or replace its settings, keeping its ``created_at``."""
+        """Create the deployment or replace its settings, keeping its ``created_at``.
+
+        A replacement that :func:`runs_differently` bumps the generation, as update() does.
+        """
         now = utcnow()
         values = _values(spec)
         stmt = self.db.insert(Deployment).values(**values, created_at=now, updated_at=now)
+        changed = or_(
+            *(getattr(Deployment, f).is_distinct_from(stmt.excluded[f]) for f in REPLICA_FIELDS)
+        )
+        generation = case((changed, Deployment.generation + 1), else_=Deployment.generation)
         stmt = stmt.on_conflict_do_update(
-            index_elements=[Deployment.name], set_={**values, "updated_at": now}
+            index_elements=[Deployment.name],
+            set_={**values, "generation": generation, "updated_at": now},
         ).returning(Deployment)
         with self.db.session() as session, session.begin():
             row = session.scalars(stmt).one()
@@ -122,7 +224,13 @@ class DeploymentStore:
             raise DeploymentNotFound(name)
 
 
+def _int_at_least(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def _values(spec: DeploymentSpec) -> dict[str, Any]:
+    """The columns a spec writes (not ``created_at`` nor ``generation``: the store's)."""
+    timeout = spec.queue_timeout_s
     return {
         "name": spec.name,
         "snapshot_uri": spec.snapshot_uri,
@@ -131,6 +239,11 @@ def _values(spec: DeploymentSpec) -> dict[str, Any]:
         "target_concurrency": spec.target_concurrency,
         "idle_timeout_s": float(spec.idle_timeout_s),
         "tenant_id": spec.tenant_id,
+        "max_queue": spec.max_queue,
+        "queue_timeout_s": None if timeout is None else float(timeout),
+        "dtype": spec.dtype,
+        "max_model_len": spec.max_model_len,
+        "kv_cache_bytes": spec.kv_cache_bytes,
     }
 
 
@@ -144,4 +257,10 @@ def _spec(row: Deployment) -> DeploymentSpec:
         idle_timeout_s=float(row.idle_timeout_s),
         tenant_id=row.tenant_id,
         created_at=row.created_at,
+        max_queue=row.max_queue,
+        queue_timeout_s=row.queue_timeout_s,
+        dtype=row.dtype,
+        max_model_len=row.max_model_len,
+        kv_cache_bytes=row.kv_cache_bytes,
+        generation=row.generation,
     )

@@ -19,7 +19,7 @@ from hotpool.billing.db import Database
 from hotpool.billing.models import DEFAULT_TENANT_ID, STATUSES, UsageEvent, utcnow
 
 REQUEST_ID_MAX_LEN = 64
-# Rows per INSERT: 16 columns each stays far below SQLite's bound-parameter limit.
+# Rows per INSERT: 17 columns each stays far below SQLite's bound-parameter limit.
 _BATCH = 500
 
 
@@ -29,6 +29,8 @@ class UsageRecord:
 
     ``created_at`` is when the request finished; None means "now" at recording time.
     ``api_key_id`` is the key the request was made with (None when auth is off).
+    ``client_request_id`` is the ``x-request-id`` the client sent, if any: kept so a client
+    can find its request, never used as the ledger's key (clients may reuse theirs).
     Invalid values raise :class:`ValueError` on construction.
     """
 
@@ -47,6 +49,7 @@ class UsageRecord:
     error: str | None = None
     created_at: datetime | None = None
     api_key_id: int | None = None
+    client_request_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > REQUEST_ID_MAX_LEN:
@@ -74,6 +77,12 @@ class UsageRecord:
         key = self.api_key_id
         if key is not None and (isinstance(key, bool) or not isinstance(key, int) or key < 1):
             raise ValueError(f"api_key_id must be an integer >= 1 or None, got {key!r}")
+        client_id = self.client_request_id
+        if client_id is not None and not _printable_ascii(client_id, REQUEST_ID_MAX_LEN):
+            raise ValueError(
+                f"client_request_id must be 1 to {REQUEST_ID_MAX_LEN} printable ASCII"
+                f" characters or None, got {client_id!r}"
+            )
 
     @property
     def total_tokens(self) -> int:
@@ -131,7 +140,16 @@ _FIELDS = (
     "total_seconds",
     "cold_start",
     "error",
+    "client_request_id",
 )
+
+
+def _printable_ascii(value: object, max_len: int) -> bool:
+    return (
+        isinstance(value, str)
+        and 1 <= len(value) <= max_len
+        and all(" " <= ch <= "~" for ch in value)
+    )
 
 
 def _to_row(rec: UsageRecord, now: datetime) -> dict[str, Any]:

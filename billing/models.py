@@ -35,6 +35,7 @@ NAMING_CONVENTION = {
 }
 
 STATUSES = ("completed", "partial", "error", "cancelled")
+DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_TENANT_ID = 1
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; BIGINT would need explicit ids.
@@ -106,6 +107,12 @@ class ApiKey(Base):
 
 
 class Deployment(Base):
+    """A deployment's settings. The optional ones are NULL for "the default": the server's
+    (``max_queue``, ``queue_timeout_s``, ``kv_cache_bytes``) or the snapshot's (``dtype``,
+    ``max_model_len``). ``generation`` goes up by one whenever what the replicas run changes,
+    so replicas started from an older one can be told apart and replaced.
+    """
+
     __tablename__ = "deployments"
     __table_args__ = (
         CheckConstraint("min_replicas >= 0", name="min_replicas_nonnegative"),
@@ -113,6 +120,13 @@ class Deployment(Base):
         CheckConstraint("max_replicas >= min_replicas", name="max_replicas_ge_min"),
         CheckConstraint("target_concurrency >= 1", name="target_concurrency_positive"),
         CheckConstraint("idle_timeout_s >= 0", name="idle_timeout_nonnegative"),
+        # A CHECK on NULL is unknown, which passes: NULL stays allowed in the nullable ones.
+        CheckConstraint("max_queue >= 1", name="max_queue_positive"),
+        CheckConstraint("queue_timeout_s > 0", name="queue_timeout_positive"),
+        CheckConstraint("dtype IN ('bf16', 'fp16', 'fp32')", name="dtype_valid"),
+        CheckConstraint("max_model_len >= 16", name="max_model_len_min"),
+        CheckConstraint("kv_cache_bytes >= 1048576", name="kv_cache_bytes_min"),
+        CheckConstraint("generation >= 1", name="generation_positive"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -123,6 +137,12 @@ class Deployment(Base):
     max_replicas: Mapped[int] = mapped_column(Integer, default=1)
     target_concurrency: Mapped[int] = mapped_column(Integer, default=8)
     idle_timeout_s: Mapped[float] = mapped_column(Float, default=300.0)
+    max_queue: Mapped[int | None] = mapped_column(Integer)
+    queue_timeout_s: Mapped[float | None] = mapped_column(Float)
+    dtype: Mapped[str | None] = mapped_column(String(8))
+    max_model_len: Mapped[int | None] = mapped_column(Integer)
+    kv_cache_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    generation: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
 
@@ -160,6 +180,9 @@ class UsageEvent(Base):
     total_seconds: Mapped[float | None] = mapped_column(Float)
     cold_start: Mapped[bool] = mapped_column(default=False)
     error: Mapped[str | None] = mapped_column(Text)
+    # The x-request-id the client sent, kept to correlate with its logs; not unique, and
+    # not the ledger's key: that is the server-minted ``request_id``.
+    client_request_id: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
 
 

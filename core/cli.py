@@ -16,6 +16,7 @@ from hotpool.cli_common import settings_or_exit as _settings
 from hotpool.cli_common import snapshot_uri as _snapshot_uri
 from hotpool.cli_keys import keys, tenants
 from hotpool.cli_snapshot import models, snapshot
+from hotpool.logs import configure as configure_logs
 
 
 def _api_url(url: str | None) -> str:
@@ -77,9 +78,7 @@ def serve(host: str | None, port: int | None, deploys: tuple[str, ...]) -> None:
     settings = replace(
         settings, host=host or settings.host, port=settings.port if port is None else port
     )
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logs(settings.log_level, settings.log_format)
     specs = []
     for item in deploys:
         name, _, snapshot = item.partition("=")

@@ -52,6 +52,7 @@ class Settings:
     queue_timeout_s: float = 300.0
     max_queue: int = 256
     log_level: str = "info"
+    log_format: str = "text"  # text or json (one object per line)
     auth: str = "auto"  # keys: API keys required; none: local-only; auto: none on loopback
     kv_cache_bytes: int = 1 << 30  # per worker
     max_num_seqs: int = 64
@@ -204,6 +205,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         queue_timeout_s=_parse(env, "HOTPOOL_QUEUE_TIMEOUT_S", 300.0, _positive_float),
         max_queue=_parse(env, "HOTPOOL_MAX_QUEUE", 256, _positive_int),
         log_level=_parse(env, "HOTPOOL_LOG_LEVEL", "info", _one_of(LOG_LEVELS)),
+        log_format=_parse(env, "HOTPOOL_LOG_FORMAT", "text", _one_of(("text", "json"))),
         auth=_parse(env, "HOTPOOL_AUTH", "auto", _one_of(AUTH_MODES)),
         kv_cache_bytes=_parse(env, "HOTPOOL_KV_CACHE_BYTES", 1 << 30, _byte_size),
         max_num_seqs=_parse(env, "HOTPOOL_MAX_NUM_SEQS", 64, _positive_int),

@@ -7,6 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+from sqlalchemy import text
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -114,7 +115,31 @@ def _log_scale(event: ScaleEvent) -> None:
 
 
 async def healthz(_: Request) -> Response:
+    """Liveness: the process answers."""
     return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    """Readiness: the database answers and the ledger writer runs (a load balancer sends
+    traffic only then)."""
+    services: Services = request.app.state.services
+    checks: dict[str, str] = {}
+    try:
+        await asyncio.wait_for(asyncio.to_thread(_ping, services.db), 2.0)
+        checks["database"] = "ok"
+    except Exception as exc:  # any failure: not ready, and say why
+        checks["database"] = f"unreachable: {type(exc).__name__}"
+    checks["ledger_writer"] = "ok" if services.ledger_writer.running else "stopped"
+    ready = all(v == "ok" for v in checks.values())
+    return JSONResponse(
+        {"status": "ready" if ready else "not_ready", "checks": checks},
+        status_code=200 if ready else 503,
+    )
+
+
+def _ping(db: Database) -> None:
+    with db.engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
 
 
 async def metrics(request: Request) -> Response:
@@ -148,6 +173,7 @@ def create_app(services: Services) -> Starlette:
 
     routes = [
         Route("/healthz", healthz),
+        Route("/readyz", readyz),
         Route("/metrics", metrics),
         *openai_routes.routes,
         *deployments_api.routes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any
 
 from hotpool.billing.deployments import DeploymentSpec, DeploymentStore
 
@@ -29,3 +30,14 @@ class DeploymentCatalog:
         created = await asyncio.to_thread(self.store.create, spec)
         self._specs[created.name] = created
         return created
+
+    async def update(self, name: str, changes: Mapping[str, Any]) -> DeploymentSpec:
+        """Raises ``DeploymentNotFound``; the store bumps the generation when it must."""
+        updated = await asyncio.to_thread(self.store.update, name, **changes)
+        self._specs[name] = updated
+        return updated
+
+    async def delete(self, name: str) -> None:
+        """Raises ``DeploymentNotFound``. Its usage stays in the ledger."""
+        await asyncio.to_thread(self.store.delete, name)
+        self._specs.pop(name, None)

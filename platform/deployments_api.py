@@ -1,99 +1,69 @@
-"""``/v1/deployments``: create, list and inspect deployments (update and delete: issue 7)."""
+"""``/v1/deployments``: create, list, inspect, update and delete deployments.
+
+An update that changes what replicas run (snapshot, dtype, context length, KV budget)
+starts a new generation: the autoscaler brings up new replicas and drains the old ones
+once one is ready, so no request is dropped. A delete drains every replica; its usage stays
+in the ledger.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from hotpool.billing.deployments import DeploymentExists, DeploymentSpec
+from hotpool.billing.deployments import DeploymentExists, DeploymentNotFound, DeploymentSpec
 from hotpool.billing.scale_events import ScaleEventRecord
-from hotpool.platform.auth import authorize, owned
+from hotpool.platform.auth import Principal, authorize, owned
+from hotpool.platform.deployment_schema import parse_deployment, parse_update
 from hotpool.platform.errors import APIError, invalid
 from hotpool.platform.services import Services, read_json
-from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES
-
-NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-FIELDS = {
-    "name",
-    "snapshot_uri",
-    "min_replicas",
-    "max_replicas",
-    "target_concurrency",
-    "idle_timeout_s",
-}
-
-
-def parse_deployment(body: Any, default_idle_timeout_s: float) -> DeploymentSpec:
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise invalid(f"unknown field `{unknown[0]}`", unknown[0])
-    name = body.get("name")
-    if not isinstance(name, str) or not NAME.match(name):
-        raise invalid(
-            "`name` must be 1-63 characters of a-z, 0-9, '.', '_', '-', "
-            "starting with a letter or digit",
-            "name",
-        )
-    uri = body.get("snapshot_uri")
-    if not isinstance(uri, str) or not uri.startswith(("file:///", "s3://")):
-        raise invalid(
-            "`snapshot_uri` must be a file:///absolute/path or s3://bucket/prefix URI",
-            "snapshot_uri",
-        )
-    if uri.startswith("file://"):
-        _check_local_snapshot(uri)
-    min_r = _int(body, "min_replicas", 0, 0)
-    max_r = _int(body, "max_replicas", 1, 1)
-    if min_r > max_r:
-        raise invalid("`min_replicas` must not exceed `max_replicas`", "min_replicas")
-    idle = body.get("idle_timeout_s", default_idle_timeout_s)
-    if isinstance(idle, bool) or not isinstance(idle, int | float) or not 0 < idle <= 7 * 86400:
-        raise invalid(
-            "`idle_timeout_s` must be a number of seconds in (0, 604800]", "idle_timeout_s"
-        )
-    return DeploymentSpec(
-        name=name,
-        snapshot_uri=uri.rstrip("/"),
-        min_replicas=min_r,
-        max_replicas=max_r,
-        target_concurrency=_int(body, "target_concurrency", 8, 1),
-        idle_timeout_s=float(idle),
-    )
-
-
-def _int(body: dict[str, Any], name: str, default: int, minimum: int) -> int:
-    value = body.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise invalid(f"`{name}` must be an integer >= {minimum}", name)
-    return value
 
 
 def deployment_json(spec: DeploymentSpec, services: Services) -> dict[str, Any]:
     replicas = services.pool.replicas(spec.name)
+    settings = services.settings
+    last = max(
+        (r for r in replicas if r.cold_start_seconds is not None),
+        key=lambda r: r.created_at,
+        default=None,
+    )
     return {
         "object": "deployment",
         "name": spec.name,
         "snapshot_uri": spec.snapshot_uri,
+        "generation": spec.generation,
         "scaling": {
             "min_replicas": spec.min_replicas,
             "max_replicas": spec.max_replicas,
             "target_concurrency": spec.target_concurrency,
             "idle_timeout_s": spec.idle_timeout_s,
+            "max_queue": spec.max_queue or settings.max_queue,
+            "queue_timeout_s": spec.queue_timeout_s or settings.queue_timeout_s,
+        },
+        "engine": {
+            "dtype": spec.dtype,  # null: the snapshot's own
+            "max_model_len": spec.max_model_len,  # null: the model's own
+            "kv_cache_bytes": spec.kv_cache_bytes or settings.kv_cache_bytes,
         },
         "created_at": int(spec.created_at.timestamp()) if spec.created_at else None,
         "queued_requests": services.router.waiting[spec.name],
         "replicas": [r.describe() for r in replicas],
+        "last_cold_start": None
+        if last is None
+        else {"seconds": last.cold_start_seconds, "phases": last.describe()["cold_start_phases"]},
     }
+
+
+def _owned_or_404(services: Services, name: str, principal: Principal) -> DeploymentSpec:
+    spec = owned(services.catalog.get(name), principal)
+    if spec is None:
+        raise APIError(404, f"deployment {name!r} does not exist", code="deployment_not_found")
+    return spec
 
 
 async def create_deployment(request: Request) -> Response:
@@ -121,20 +91,44 @@ async def list_deployments(request: Request) -> Response:
 async def get_deployment(request: Request) -> Response:
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
-    name = request.path_params["name"]
-    spec = owned(services.catalog.get(name), principal)
-    if spec is None:
-        raise APIError(404, f"deployment {name!r} does not exist", code="deployment_not_found")
+    spec = _owned_or_404(services, request.path_params["name"], principal)
     return JSONResponse(deployment_json(spec, services))
+
+
+async def update_deployment(request: Request) -> Response:
+    principal = await authorize(request, "deploy")
+    services: Services = request.app.state.services
+    current = _owned_or_404(services, request.path_params["name"], principal)
+    changes = parse_update(await read_json(request), current)
+    try:
+        updated = await services.catalog.update(current.name, changes)
+    except DeploymentNotFound:  # deleted meanwhile
+        raise APIError(
+            404, f"deployment {current.name!r} does not exist", code="deployment_not_found"
+        ) from None
+    services.autoscaler.wake()  # roll over or rescale now, not at the next tick
+    return JSONResponse(deployment_json(updated, services))
+
+
+async def delete_deployment(request: Request) -> Response:
+    principal = await authorize(request, "deploy")
+    services: Services = request.app.state.services
+    spec = _owned_or_404(services, request.path_params["name"], principal)
+    try:
+        await services.catalog.delete(spec.name)
+    except DeploymentNotFound:
+        raise APIError(
+            404, f"deployment {spec.name!r} does not exist", code="deployment_not_found"
+        ) from None
+    services.autoscaler.wake()  # drain its replicas now
+    return JSONResponse({"id": spec.name, "object": "deployment", "deleted": True})
 
 
 async def list_scale_events(request: Request) -> Response:
     """``GET /v1/deployments/{name}/events?limit=&before=``: scale events, newest first."""
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
-    name = request.path_params["name"]
-    if owned(services.catalog.get(name), principal) is None:
-        raise APIError(404, f"deployment {name!r} does not exist", code="deployment_not_found")
+    name = _owned_or_404(services, request.path_params["name"], principal).name
     limit = _query_int(request, "limit", 100, 1, 1000)
     before = _query_int(request, "before", None, 1, None)
     await services.scale_events.flush()  # what the pool just did is in the answer
@@ -184,27 +178,7 @@ routes = [
     Route("/v1/deployments", create_deployment, methods=["POST"]),
     Route("/v1/deployments", list_deployments, methods=["GET"]),
     Route("/v1/deployments/{name}", get_deployment, methods=["GET"]),
+    Route("/v1/deployments/{name}", update_deployment, methods=["PATCH"]),
+    Route("/v1/deployments/{name}", delete_deployment, methods=["DELETE"]),
     Route("/v1/deployments/{name}/events", list_scale_events, methods=["GET"]),
 ]
-
-
-def _check_local_snapshot(uri: str) -> None:
-    """A local snapshot is checked now (an s3:// one when its first replica loads it): it
-    must exist, have a manifest, and hold a model type the workers run. (The worker verifies
-    the manifest in full when it loads the snapshot.)"""
-    path = Path(uri.removeprefix("file://")) / "manifest.json"
-    if not path.is_file():
-        raise APIError(422, f"no snapshot at {uri} (manifest.json not found)", param="snapshot_uri")
-    try:
-        architecture = json.loads(path.read_text())["architecture"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise APIError(
-            422, f"snapshot at {uri} has an unreadable manifest.json", param="snapshot_uri"
-        ) from None
-    if architecture not in RUNNABLE_MODEL_TYPES:
-        raise APIError(
-            422,
-            f"snapshot at {uri} holds a {architecture!r} model; hotpool runs "
-            f"{', '.join(RUNNABLE_MODEL_TYPES)}",
-            param="snapshot_uri",
-        )

@@ -23,6 +23,10 @@ class LedgerWriter:
         self._task: asyncio.Task[None] | None = None
         self.failures = 0
 
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="ledger-writer")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -12,17 +13,24 @@ from hotpool.platform.errors import APIError
 log = logging.getLogger("hotpool.api")
 
 
+# What a client may send as its own x-request-id: short, printable, no spaces.
+CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+=-]{0,63}$")
+
+
 def new_request_id() -> str:
     return f"req_{uuid.uuid4().hex}"
 
 
 class RequestIdMiddleware:
-    """Every response carries a fresh ``x-request-id``, also kept in ``scope["state"]``.
+    """Every response carries an ``x-request-id``, kept in ``scope["state"]`` too.
 
-    It is the ledger's key for the request. It is always minted here, never taken from the
-    client: a client-chosen id would let one request be billed in place of another. An
-    unhandled error becomes the OpenAI-shaped 500 here, so that response carries the id too
-    (Starlette's own error middleware sits outside this one).
+    The ledger's key for a request is always minted here (``x-hotpool-request-id``): a
+    client-chosen key would let one request be billed in place of another, or a client
+    reuse one id to be billed once. A well-formed ``x-request-id`` from the client is
+    accepted for correlation: echoed back, logged and kept in the ledger beside the key;
+    without one, ``x-request-id`` is the key. An unhandled error becomes the OpenAI-shaped
+    500 here, so that response carries the ids too (Starlette's own error middleware sits
+    outside this one).
     """
 
     def __init__(self, app: ASGIApp, auth_off: bool = False) -> None:
@@ -35,18 +43,21 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         request_id = new_request_id()
-        scope.setdefault("state", {})["request_id"] = request_id
+        client_id = _client_request_id(scope)
+        state = scope.setdefault("state", {})
+        state["request_id"], state["client_request_id"] = request_id, client_id
+        ids = [
+            (b"x-request-id", (client_id or request_id).encode()),
+            (b"x-hotpool-request-id", request_id.encode()),
+            *self.extra,
+        ]
         started = False
 
         async def send_with_id(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message["headers"] = [
-                    *message.get("headers", []),
-                    (b"x-request-id", request_id.encode()),
-                    *self.extra,
-                ]
+                message["headers"] = [*message.get("headers", []), *ids]
             await send(message)
 
         try:
@@ -61,3 +72,11 @@ class RequestIdMiddleware:
                 500, "internal server error; this is a bug in hotpool", type="api_error"
             )
             await body.response()(scope, receive, send_with_id)
+
+
+def _client_request_id(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", []):
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            return text if CLIENT_REQUEST_ID.match(text) else None
+    return None

@@ -66,25 +66,31 @@ class Router:
         ready = self._pick(spec, avoid)
         if ready is not None:
             return ready, False
-        if self.waiting[spec.name] >= self.max_queue:
+        max_queue = spec.max_queue or self.max_queue
+        timeout_s = spec.queue_timeout_s or self.queue_timeout_s
+        if self.waiting[spec.name] >= max_queue:
             raise APIError(
-                503, f"deployment {spec.name!r} has {self.max_queue} requests queued; retry later",
+                503, f"deployment {spec.name!r} has {max_queue} requests queued; retry later",
                 code="queue_full", retry_after_s=5,
             )  # fmt: skip
         self.waiting[spec.name] += 1
         self.on_demand()
         try:
             while True:
-                starting = [r for r in self.pool.replicas(spec.name) if r.starting]
+                starting = [
+                    r
+                    for r in self.pool.replicas(spec.name)
+                    if r.starting and r.generation == spec.generation
+                ]
                 if starting:
                     replica = min(starting, key=lambda r: r.requested_at)
                 else:
                     replica = self.pool.scale_up(spec, reason="request")
-                remaining = self.queue_timeout_s - (time.monotonic() - t0)
+                remaining = timeout_s - (time.monotonic() - t0)
                 try:
                     await asyncio.wait_for(replica.ready.wait(), max(remaining, 0.0))
                 except TimeoutError:
-                    wait = f"{self.queue_timeout_s:g}s"
+                    wait = f"{timeout_s:g}s"
                     raise APIError(
                         503, f"no replica of {spec.name!r} became ready within {wait}",
                         code="queue_timeout", retry_after_s=10,
@@ -102,6 +108,8 @@ class Router:
         ready = [r for r in self.pool.replicas(spec.name) if r.state is ReplicaState.READY]
         if not ready:
             return None
+        # During a roll-over the new generation takes requests as soon as it is ready.
+        ready = [r for r in ready if r.generation == spec.generation] or ready
         best = min(ready, key=lambda r: (r is avoid, r.inflight))
         best.inflight += 1  # claimed before any await, so the autoscaler sees it busy
         if best.inflight > spec.target_concurrency:

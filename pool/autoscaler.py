@@ -81,18 +81,24 @@ class Autoscaler:
         return min(max(want, spec.min_replicas), spec.max_replicas), load
 
     def _reconcile(self, spec: DeploymentSpec, now: float) -> None:
+        self.pool.remember(spec)
         live = self._live(spec.name)
         want, load = self.desired(spec)
+        stale = [r for r in live if r.generation != spec.generation]
+        if stale:
+            live = self._roll_over(spec, live, stale)
+            want = max(want, min(len(stale), spec.max_replicas))
         history = self._history[spec.name]
         history.append((now, want))
         while history and history[0][0] < now - self.scale_down_window_s:
             history.popleft()
         if len(live) < want:
-            reason = (
-                f"min_replicas={spec.min_replicas}"
-                if want == spec.min_replicas and load <= spec.min_replicas
-                else f"load {load} > {len(live)} x target_concurrency {spec.target_concurrency}"
-            )
+            if stale:
+                reason = f"rolling over to generation {spec.generation}"
+            elif want == spec.min_replicas and load <= spec.min_replicas:
+                reason = f"min_replicas={spec.min_replicas}"
+            else:
+                reason = f"load {load} > {len(live)} x target_concurrency {spec.target_concurrency}"
             for _ in range(want - len(live)):
                 self.pool.scale_up(spec, reason=reason)
             return
@@ -122,6 +128,20 @@ class Autoscaler:
                 break
             live.remove(r)
             self.pool.release_soon(r, reason)
+
+    def _roll_over(
+        self, spec: DeploymentSpec, live: list[Replica], stale: list[Replica]
+    ) -> list[Replica]:
+        """The deployment changed what its replicas run (a new snapshot, dtype or engine
+        options): new replicas start at once, as many as the old ones (within
+        ``max_replicas``); the old ones serve until one new replica is ready, then drain.
+        The router prefers the new generation as soon as it is ready, so no request is
+        dropped. Returns the current generation's live replicas."""
+        current = [r for r in live if r.generation == spec.generation]
+        if any(r.state is ReplicaState.READY for r in current):
+            for r in stale:
+                self.pool.release_soon(r, f"rolled over to generation {spec.generation}")
+        return current
 
     def _live(self, name: str) -> list[Replica]:
         return [r for r in self.pool.replicas(name) if r.state is not ReplicaState.DRAINING]

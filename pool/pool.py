@@ -131,6 +131,7 @@ class WorkerPool:
             id=f"r-{uuid.uuid4().hex[:12]}",
             deployment=spec.name,
             handle=WorkerHandle(f"w-{uuid.uuid4().hex[:12]}"),
+            generation=spec.generation,
         )
         self._replicas[replica.id] = replica
         self.on_scale(ScaleEvent(spec.name, before, before + 1, reason, replica.id))
@@ -138,6 +139,10 @@ class WorkerPool:
         self._cold_starts[replica.id] = task
         task.add_done_callback(lambda _: self._cold_starts.pop(replica.id, None))
         return replica
+
+    def remember(self, spec: DeploymentSpec) -> None:
+        """The deployment's current spec (after an update): floors and replacements use it."""
+        self._specs[spec.name] = spec
 
     def cancel(self, replica: Replica, reason: str) -> bool:
         """Withdraw a replica still waiting for a worker slot (its demand went away)."""

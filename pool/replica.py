@@ -35,6 +35,7 @@ class Replica:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None  # why the cold start failed, once it has
     replacement: bool = False  # stands in for a replica whose worker died
+    generation: int = 1  # the deployment's generation it runs (a PATCH may start a new one)
 
     @property
     def starting(self) -> bool:
@@ -65,4 +66,5 @@ class Replica:
             "cold_start_phases": self.load.phases if self.load else None,
             "snapshot_cache_hit": self.load.cache_hit if self.load else None,
             "weights_tier": self.load.tier if self.load else None,  # remote, disk or host
+            "generation": self.generation,
         }

@@ -61,6 +61,7 @@ def test_record_round_trips_every_field(db: Database) -> None:
         cold_start=True,
         status="partial",
         error="stream cut by client",
+        client_request_id="client-7f3a/retry 2",
         created_at=datetime(2025, 3, 1, 14, 0, 0, 123456, tzinfo=timezone(timedelta(hours=2))),
     )
     assert ledger.record(rec) is True
@@ -68,6 +69,16 @@ def test_record_round_trips_every_field(db: Database) -> None:
     assert back == replace(rec, created_at=datetime(2025, 3, 1, 12, 0, 0, 123456, tzinfo=UTC))
     assert back.created_at is not None and back.created_at.tzinfo is UTC
     assert back.total_tokens == 19
+
+
+def test_client_request_id_is_kept_beside_the_ledger_key(db: Database) -> None:
+    ledger = Ledger(db)
+    # Two requests may carry the same client id: only the server's request_id is unique.
+    assert ledger.record(_rec("req-1", client_request_id="c" * 64)) is True
+    assert ledger.record(_rec("req-2", client_request_id="c" * 64)) is True
+    assert ledger.record(_rec("req-3")) is True
+    by_id = {r.request_id: r.client_request_id for r in ledger.events()}
+    assert by_id == {"req-1": "c" * 64, "req-2": "c" * 64, "req-3": None}
 
 
 def test_created_at_defaults_to_now(db: Database) -> None:
@@ -149,6 +160,11 @@ def test_events_are_newest_first_and_filter_by_deployment(db: Database) -> None:
         ({"ttft_seconds": -0.1}, "ttft_seconds must be >= 0"),
         ({"total_seconds": float("nan")}, "total_seconds must be >= 0"),
         ({"created_at": datetime(2025, 1, 1)}, "created_at must be timezone-aware"),
+        ({"client_request_id": "x" * 65}, "client_request_id must be 1 to 64 printable ASCII"),
+        ({"client_request_id": ""}, "client_request_id must be 1 to 64 printable ASCII"),
+        ({"client_request_id": "a\nb"}, "client_request_id must be 1 to 64 printable ASCII"),
+        ({"client_request_id": "caf\u00e9"}, "client_request_id must be 1 to 64 printable"),
+        ({"client_request_id": 42}, "client_request_id must be 1 to 64 printable ASCII"),
     ],
 )
 def test_invalid_records_are_rejected(overrides: dict[str, Any], message: str) -> None:

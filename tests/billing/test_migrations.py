@@ -4,17 +4,21 @@ import io
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, select, text
+from sqlalchemy.exc import IntegrityError
 
 from hotpool.billing.db import Database, migrations_dir
+from hotpool.billing.deployments import DeploymentSpec, DeploymentStore
+from hotpool.billing.ledger import Ledger
 from hotpool.billing.models import Base, Tenant
 
 LEDGER_TABLES = {"tenants", "api_keys", "deployments", "usage_events", "scale_events"}
-HEAD = "0003"
+HEAD = "0004"
 
 
 def _tables(db: Database) -> set[str]:
@@ -99,6 +103,98 @@ def test_constraint_names_follow_the_convention(db: Database) -> None:
     } <= {ck["name"] for ck in insp.get_check_constraints("scale_events")}
 
 
+DEPLOYMENT_OPTIONS = {
+    "max_queue",
+    "queue_timeout_s",
+    "dtype",
+    "max_model_len",
+    "kv_cache_bytes",
+    "generation",
+}
+DEPLOYMENT_CHECKS = {
+    "ck_deployments_max_queue_positive",
+    "ck_deployments_queue_timeout_positive",
+    "ck_deployments_dtype_valid",
+    "ck_deployments_max_model_len_min",
+    "ck_deployments_kv_cache_bytes_min",
+    "ck_deployments_generation_positive",
+}
+
+
+def _columns(db: Database, table: str) -> set[str]:
+    return {c["name"] for c in inspect(db.engine).get_columns(table)}
+
+
+def test_migration_0004_up_and_down_keeps_deployments_and_usage(empty_db: Database) -> None:
+    empty_db.upgrade("0003")
+    with empty_db.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO deployments (name, tenant_id, snapshot_uri, min_replicas,"
+            " max_replicas, target_concurrency, idle_timeout_s, created_at, updated_at)"
+            " VALUES ('old', 1, 'file:///old', 0, 2, 8, 60.0,"
+            " '2025-01-01 00:00:00', '2025-01-01 00:00:00')"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO usage_events (request_id, tenant_id, deployment, endpoint, status,"
+            " prompt_tokens, cached_tokens, completion_tokens, cold_start, created_at)"
+            " VALUES ('req-old', 1, 'old', 'completions', 'completed', 1, 0, 2, false,"
+            " '2025-01-01 00:00:00')"
+        )
+
+    empty_db.upgrade()
+    assert empty_db.current_revision() == HEAD
+    assert _columns(empty_db, "deployments") >= DEPLOYMENT_OPTIONS
+    assert "client_request_id" in _columns(empty_db, "usage_events")
+    checks = {ck["name"] for ck in inspect(empty_db.engine).get_check_constraints("deployments")}
+    assert checks >= DEPLOYMENT_CHECKS
+    old = DeploymentStore(empty_db).get("old")
+    assert old is not None
+    assert (old.max_replicas, old.generation, old.dtype, old.max_queue) == (2, 1, None, None)
+    [event] = Ledger(empty_db).events()
+    assert (event.request_id, event.client_request_id) == ("req-old", None)
+
+    empty_db.downgrade("0003")
+    assert empty_db.current_revision() == "0003"
+    assert _columns(empty_db, "deployments") & DEPLOYMENT_OPTIONS == set()
+    assert "client_request_id" not in _columns(empty_db, "usage_events")
+    checks = {ck["name"] for ck in inspect(empty_db.engine).get_check_constraints("deployments")}
+    assert checks & DEPLOYMENT_CHECKS == set()
+    with empty_db.engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT name, max_replicas FROM deployments").all() == [
+            ("old", 2)
+        ]
+        assert conn.exec_driver_sql("SELECT request_id FROM usage_events").scalars().all() == [
+            "req-old"
+        ]
+
+    empty_db.upgrade()
+    assert DeploymentStore(empty_db).get("old").generation == 1  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "check"),
+    [
+        ("max_queue", 0, "max_queue_positive"),
+        ("queue_timeout_s", 0.0, "queue_timeout_positive"),
+        ("dtype", "int8", "dtype_valid"),
+        ("max_model_len", 15, "max_model_len_min"),
+        ("kv_cache_bytes", 1048575, "kv_cache_bytes_min"),
+        ("generation", 0, "generation_positive"),
+    ],
+)
+def test_deployment_checks_hold_in_the_database(
+    db: Database, column: str, value: object, check: str
+) -> None:
+    # What DeploymentSpec validates must also hold for a row written some other way.
+    DeploymentStore(db).create(DeploymentSpec("m", "file:///m"))
+    update = text(f"UPDATE deployments SET {column} = :value WHERE name = 'm'")
+    with pytest.raises(IntegrityError, match=f"ck_deployments_{check}"), db.engine.begin() as conn:
+        conn.execute(update, {"value": value})
+    with db.engine.begin() as conn:  # NULL stays allowed where the column is nullable
+        for nullable in sorted(DEPLOYMENT_OPTIONS - {"generation"}):
+            conn.execute(text(f"UPDATE deployments SET {nullable} = NULL WHERE name = 'm'"))
+
+
 def test_env_uses_the_url_when_no_connection_is_passed(empty_db: Database) -> None:
     # The path `alembic`-style tooling takes: only sqlalchemy.url, no shared connection.
     command.upgrade(empty_db.alembic_config(), "head")
@@ -126,6 +222,7 @@ def test_migrations_ship_inside_the_package() -> None:
     assert (folder / "versions" / "0001_initial.py").is_file()
     assert (folder / "versions" / "0002_scale_events.py").is_file()
     assert (folder / "versions" / "0003_api_keys.py").is_file()
+    assert (folder / "versions" / "0004_deployment_options.py").is_file()
     script = ScriptDirectory(str(folder))
     assert script.get_heads() == [HEAD]
 

@@ -88,10 +88,14 @@ def test_every_response_carries_a_fresh_request_id(client: TestClient) -> None:
     assert len(set(ids)) == len(ids)
 
 
-def test_client_cannot_choose_its_request_id(client: TestClient) -> None:
-    r = client.get("/healthz", headers={"x-request-id": "req_mine"})
-    assert r.headers["x-request-id"] != "req_mine"
-    assert r.headers.get_list("x-request-id") == [r.headers["x-request-id"]]
+def test_a_clients_request_id_is_echoed_but_never_the_ledger_key(client: TestClient) -> None:
+    r = client.get("/healthz", headers={"x-request-id": "trace-42:abc"})
+    assert r.headers.get_list("x-request-id") == ["trace-42:abc"]
+    key = r.headers["x-hotpool-request-id"]
+    assert key.startswith("req_") and key != "trace-42:abc"
+    for bad in ("has space", "x" * 65, "", "-leading", "semi;colon"):
+        r = client.get("/healthz", headers={"x-request-id": bad})
+        assert r.headers["x-request-id"] == r.headers["x-hotpool-request-id"]  # ignored
 
 
 def test_unknown_route_is_an_openai_404(client: TestClient) -> None:
@@ -118,7 +122,7 @@ def test_invalid_and_empty_json_bodies_are_400(client: TestClient, path: str) ->
 def test_validation_errors_reach_the_client_with_their_param(client: TestClient) -> None:
     err = error_of(client.post("/v1/chat/completions", json={"model": "m", "messages": []}), 400)
     assert err["param"] == "messages"
-    err = error_of(client.post("/v1/completions", json={"model": "m", "prompt": "x", "n": 3}), 400)
+    err = error_of(client.post("/v1/completions", json={"model": "m", "prompt": "x", "n": 0}), 400)
     assert err["param"] == "n"
 
 
@@ -165,7 +169,11 @@ def test_create_deployment_shows_everywhere(client: TestClient, snapshot: Path) 
         "max_replicas": 3,
         "target_concurrency": 4,
         "idle_timeout_s": 60.0,
+        "max_queue": 256,  # the server's defaults until the deployment sets its own
+        "queue_timeout_s": 300.0,
     }
+    assert created["engine"] == {"dtype": None, "max_model_len": None, "kv_cache_bytes": 1 << 30}
+    assert created["generation"] == 1 and created["last_cold_start"] is None
     assert created["replicas"] == []  # scaled to zero: no GPU held until the first request
     assert created["queued_requests"] == 0
     assert isinstance(created["created_at"], int)
@@ -189,6 +197,8 @@ def test_deployment_defaults(client: TestClient, services: Services, snapshot: P
         "max_replicas": 1,
         "target_concurrency": 8,
         "idle_timeout_s": services.settings.default_idle_timeout_s,
+        "max_queue": services.settings.max_queue,
+        "queue_timeout_s": services.settings.queue_timeout_s,
     }
 
 
@@ -271,6 +281,13 @@ def test_a_model_type_workers_cannot_run_is_422(client: TestClient, tmp_path: Pa
         ({"idle_timeout_s": "60"}, "idle_timeout_s"),
         ({"idle_timeout_s": 8 * 86400}, "idle_timeout_s"),
         ({"gpu": "h100"}, "gpu"),
+        ({"max_queue": 0}, "max_queue"),
+        ({"queue_timeout_s": 0}, "queue_timeout_s"),
+        ({"queue_timeout_s": 1e9}, "queue_timeout_s"),
+        ({"dtype": "int4"}, "dtype"),
+        ({"max_model_len": 8}, "max_model_len"),
+        ({"kv_cache_bytes": 1024}, "kv_cache_bytes"),
+        ({"min_replicas": 3, "max_replicas": 2}, "min_replicas"),
     ],
 )
 def test_bad_scaling_is_400(
@@ -325,6 +342,57 @@ def test_bad_scale_event_query_is_400(
 def test_scale_events_of_unknown_deployment_is_404(client: TestClient) -> None:
     err = error_of(client.get("/v1/deployments/ghost/events"), 404)
     assert err["code"] == "deployment_not_found"
+
+
+def test_patch_changes_settings_and_bumps_the_generation_only_for_what_replicas_run(
+    client: TestClient, snapshot: Path
+) -> None:
+    assert deploy(client, snapshot).status_code == 201
+    r = client.patch("/v1/deployments/tiny", json={"max_replicas": 4, "max_queue": 9})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["scaling"]["max_replicas"] == 4 and body["scaling"]["max_queue"] == 9
+    assert body["generation"] == 1  # scaling only: the same replicas go on serving
+    r = client.patch("/v1/deployments/tiny", json={"dtype": "fp32", "max_model_len": 512})
+    assert r.json()["generation"] == 2 and r.json()["engine"]["dtype"] == "fp32"
+    r = client.patch("/v1/deployments/tiny", json={"max_queue": None})  # back to the default
+    assert r.json()["scaling"]["max_queue"] == 256
+    assert client.get("/v1/deployments/tiny").json() == r.json()
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({}, None), ({"name": "other"}, "name"), ({"max_replicas": 0}, "max_replicas"),
+     ({"min_replicas": 2}, "min_replicas"), ({"snapshot_uri": "http://x"}, "snapshot_uri"),
+     ({"unknown": 1}, "unknown"), ([], None)],
+)  # fmt: skip
+def test_bad_patch_is_400_and_changes_nothing(
+    client: TestClient, snapshot: Path, body: Any, param: str | None
+) -> None:
+    assert deploy(client, snapshot).status_code == 201
+    before = client.get("/v1/deployments/tiny").json()
+    err = error_of(client.patch("/v1/deployments/tiny", json=body), 400)
+    assert err["param"] == param
+    assert client.get("/v1/deployments/tiny").json() == before
+
+
+def test_delete_removes_the_deployment_and_keeps_its_usage(
+    client: TestClient, services: Services, snapshot: Path
+) -> None:
+    assert deploy(client, snapshot).status_code == 201
+    services.ledger.record(UsageRecord("req-del", "tiny", "completions", "completed", 3, 4))
+    r = client.delete("/v1/deployments/tiny")
+    assert r.status_code == 200 and r.json() == {
+        "id": "tiny",
+        "object": "deployment",
+        "deleted": True,
+    }
+    error_of(client.get("/v1/deployments/tiny"), 404)
+    error_of(client.delete("/v1/deployments/tiny"), 404)
+    error_of(client.patch("/v1/deployments/tiny", json={"max_replicas": 2}), 404)
+    assert client.get("/v1/models").json()["data"] == []
+    assert [e.request_id for e in services.ledger.events()] == ["req-del"]
+    assert deploy(client, snapshot).status_code == 201  # the name is free again
 
 
 # --- usage ------------------------------------------------------------------------------------

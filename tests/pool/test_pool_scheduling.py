@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -292,5 +293,32 @@ def test_workers_by_state_counts_every_process(warm: int) -> None:
         r.inflight = 0
         await pool.shutdown()
         assert backend.running == set()
+
+    run(scenario)
+
+
+def test_a_new_generation_rolls_over_without_a_gap() -> None:
+    async def scenario() -> None:
+        pool, _, events = _pool(max_workers=3)
+        v1 = _spec("d", max_replicas=2, idle_timeout_s=60)
+        specs = {"d": v1}
+        scaler = _scaler(pool, specs, {}, window=60)
+        old = await _ready(pool.scale_up(v1))
+        old.inflight = 1  # a stream in flight on the old snapshot
+        specs["d"] = replace(v1, snapshot_uri="file:///s/d-v2", generation=2)
+        await scaler.tick()
+        new = next(r for r in pool.replicas("d") if r is not old)
+        assert new.generation == 2 and events[-1].reason == "rolling over to generation 2"
+        assert old.state is ReplicaState.READY  # serves until the new one is ready
+        await _ready(new)
+        await scaler.tick()
+        await _settle(pool)
+        assert old.state is ReplicaState.DRAINING  # no new requests; its stream finishes
+        old.inflight = 0
+        await _settle(pool)
+        await asyncio.sleep(0.1)
+        assert pool.replicas("d") == [new]
+        assert any(e.reason == "rolled over to generation 2" for e in events)
+        await pool.shutdown()
 
     run(scenario)

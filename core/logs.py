@@ -1,0 +1,45 @@
+"""Log output: readable lines by default, one JSON object per line with
+``HOTPOOL_LOG_FORMAT=json`` (for Loki, CloudWatch, Datadog).
+
+Structured fields travel in a record's ``extra``; the request log of the control plane puts
+request id, tenant, deployment, tokens and timings there. Nothing logs an API key (only its
+prefix) or a prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+# Attributes every LogRecord has; anything else on a record came from ``extra``.
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _STANDARD and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure(level: str, fmt: str = "text") -> None:
+    """Root logging for ``hotpool serve`` (uvicorn's loggers propagate to it)."""
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

@@ -1,0 +1,161 @@
+"""Validate deployment bodies: the whole spec on create, a subset of fields on update.
+
+Each field has one parser, used by both, so ``POST`` and ``PATCH`` accept exactly the same
+values and answer with the same 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hotpool.billing.deployments import DeploymentSpec
+from hotpool.platform.errors import APIError, invalid
+from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES
+
+NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+DTYPES = ("bf16", "fp16", "fp32")
+MAX_IDLE_TIMEOUT_S = 7 * 86400
+MAX_QUEUE_TIMEOUT_S = 3600
+
+
+def _snapshot_uri(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith(("file:///", "s3://")):
+        raise invalid(
+            "`snapshot_uri` must be a file:///absolute/path or s3://bucket/prefix URI",
+            "snapshot_uri",
+        )
+    if value.startswith("file://"):
+        _check_local_snapshot(value)
+    return value.rstrip("/")
+
+
+def _int(name: str, minimum: int, nullable: bool = False) -> Callable[[Any], int | None]:
+    def parse(value: Any) -> int | None:
+        if value is None and nullable:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise invalid(f"`{name}` must be an integer >= {minimum}", name)
+        return value
+
+    return parse
+
+
+def _seconds(name: str, maximum: float, nullable: bool = False) -> Callable[[Any], float | None]:
+    def parse(value: Any) -> float | None:
+        if value is None and nullable:
+            return None
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or not 0 < value <= maximum
+        ):
+            raise invalid(f"`{name}` must be a number of seconds in (0, {maximum:g}]", name)
+        return float(value)
+
+    return parse
+
+
+def _dtype(value: Any) -> str | None:
+    if value is None or value in DTYPES:
+        return value  # type: ignore[no-any-return]
+    raise invalid(f"`dtype` must be one of {', '.join(DTYPES)} (or null: the snapshot's)", "dtype")
+
+
+# Every field a user may set, with its parser; `name` is set once, on create.
+PARSERS: dict[str, Callable[[Any], Any]] = {
+    "snapshot_uri": _snapshot_uri,
+    "min_replicas": _int("min_replicas", 0),
+    "max_replicas": _int("max_replicas", 1),
+    "target_concurrency": _int("target_concurrency", 1),
+    "idle_timeout_s": _seconds("idle_timeout_s", MAX_IDLE_TIMEOUT_S),
+    "max_queue": _int("max_queue", 1, nullable=True),
+    "queue_timeout_s": _seconds("queue_timeout_s", MAX_QUEUE_TIMEOUT_S, nullable=True),
+    "dtype": _dtype,
+    "max_model_len": _int("max_model_len", 16, nullable=True),
+    "kv_cache_bytes": _int("kv_cache_bytes", 1 << 20, nullable=True),
+}
+
+
+def _object(body: Any, allowed: set[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise invalid(f"unknown field `{unknown[0]}`", unknown[0])
+    return body
+
+
+def parse_deployment(body: Any, default_idle_timeout_s: float) -> DeploymentSpec:
+    """A new deployment from a ``POST /v1/deployments`` body."""
+    body = _object(body, {"name", *PARSERS})
+    name = body.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise invalid(
+            "`name` must be 1-63 characters of a-z, 0-9, '.', '_', '-', "
+            "starting with a letter or digit",
+            "name",
+        )
+    if "snapshot_uri" not in body:
+        raise invalid("`snapshot_uri` is required", "snapshot_uri")
+    values = {field: PARSERS[field](value) for field, value in body.items() if field != "name"}
+    values.setdefault("idle_timeout_s", default_idle_timeout_s)
+    return _spec(DeploymentSpec, {"name": name, **values})
+
+
+def parse_update(body: Any, current: DeploymentSpec) -> dict[str, Any]:
+    """The changes of a ``PATCH`` body, checked against ``current`` as a whole (``name``
+    cannot change; ``null`` resets an optional field to the server's default)."""
+    body = _object(body, {"name", *PARSERS})
+    if "name" in body and body["name"] != current.name:
+        raise invalid("a deployment cannot be renamed; create a new one", "name")
+    changes = {f: PARSERS[f](v) for f, v in body.items() if f != "name"}
+    if not changes:
+        raise invalid(f"nothing to change; settable fields: {', '.join(sorted(PARSERS))}")
+    _spec(lambda **kw: replace(current, **kw), changes, current)
+    return changes
+
+
+def _spec(
+    make: Callable[..., DeploymentSpec],
+    values: dict[str, Any],
+    current: DeploymentSpec | None = None,
+) -> DeploymentSpec:
+    low = values.get("min_replicas", current.min_replicas if current else 0)
+    high = values.get("max_replicas", current.max_replicas if current else 1)
+    if low > high:
+        raise invalid("`min_replicas` must not exceed `max_replicas`", "min_replicas")
+    try:
+        return make(**values)
+    except ValueError as exc:  # any other rule across fields
+        message = str(exc)
+        param = next((f for f in PARSERS if message.startswith(f)), None)
+        raise invalid(message, param) from None
+
+
+def _check_local_snapshot(uri: str) -> None:
+    """A local snapshot is checked now (an s3:// one when its first replica loads it): it
+    must exist, have a manifest, and hold a model type the workers run. (The worker verifies
+    the manifest in full when it loads the snapshot.)"""
+    path = Path(uri.removeprefix("file://")) / "manifest.json"
+    if not path.is_file():
+        raise APIError(422, f"no snapshot at {uri} (manifest.json not found)", param="snapshot_uri")
+    try:
+        architecture = json.loads(path.read_text())["architecture"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise APIError(
+            422, f"snapshot at {uri} has an unreadable manifest.json", param="snapshot_uri"
+        ) from None
+    if architecture not in RUNNABLE_MODEL_TYPES:
+        raise APIError(
+            422,
+            f"snapshot at {uri} holds a {architecture!r} model; hotpool runs "
+            f"{', '.join(RUNNABLE_MODEL_TYPES)}",
+            param="snapshot_uri",
+        )
