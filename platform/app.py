@@ -24,6 +24,7 @@ from hotpool.platform import (
     admin_api,
     deployments_api,
     internal_api,
+    invoke_api,
     openai_routes,
     usage_api,
 )
@@ -177,6 +178,7 @@ def create_app(services: Services) -> Starlette:
         Route("/metrics", metrics),
         *openai_routes.routes,
         *deployments_api.routes,
+        *invoke_api.routes,
         *usage_api.routes,
         *admin_api.routes,
         *internal_api.routes,

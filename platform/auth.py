@@ -24,6 +24,7 @@ from hotpool.billing.deployments import DeploymentSpec
 from hotpool.billing.keys import ApiKeyRecord, KeyStore
 from hotpool.billing.models import DEFAULT_TENANT_ID
 from hotpool.platform.errors import APIError
+from hotpool.platform.invoke import Caller
 
 log = logging.getLogger("hotpool.auth")
 
@@ -111,6 +112,15 @@ async def authorize(request: Request, scope: str) -> Principal:
         )
     request.scope.setdefault("state", {})["principal"] = principal
     return principal
+
+
+def caller(request: Request, principal: Principal) -> Caller:
+    state = request.scope.get("state", {})
+    return Caller(
+        api_key_id=principal.key_id,
+        key_prefix=principal.key.prefix if principal.key else None,
+        client_request_id=state.get("client_request_id"),
+    )
 
 
 def owned(spec: DeploymentSpec | None, principal: Principal) -> DeploymentSpec | None:

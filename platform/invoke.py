@@ -27,16 +27,29 @@ from hotpool.platform.schemas import CompletionCall
 from hotpool.worker.protocol import GenerateEvent, GenerateRequest, Usage
 
 log = logging.getLogger("hotpool.invoke")
+requests_log = logging.getLogger("hotpool.requests")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who made a request, for the ledger and the request log."""
+
+    api_key_id: int | None = None
+    key_prefix: str | None = None
+    client_request_id: str | None = None  # the client's own x-request-id, if well-formed
+
 
 MAX_RETRIES = 2  # replicas tried again for one request before its first token
 
 
 @dataclass
 class _Tally:
+    n: int = 1  # choices the request asked for
     t0: float = field(default_factory=time.monotonic)
     usage: Usage = field(default_factory=Usage)
     ttft: float | None = None
-    finish: str | None = None
+    finishes: dict[int, str] = field(default_factory=dict)  # choice index -> finish reason
+    finish: str | None = None  # the request's: set once every choice finished (or one failed)
     status: str = "error"
     error: str | None = None
     lease: Lease | None = None
@@ -54,7 +67,11 @@ class Invoker:
         self._background: set[asyncio.Task[None]] = set()
 
     async def generate(
-        self, spec: DeploymentSpec, call: CompletionCall, request_id: str
+        self,
+        spec: DeploymentSpec,
+        call: CompletionCall,
+        request_id: str,
+        caller: Caller | None = None,
     ) -> AsyncIterator[GenerateEvent]:
         """Events from the worker; raises :class:`APIError` before the first one on failure.
 
@@ -62,7 +79,7 @@ class Invoker:
         refused the connection) costs the request nothing: it is retried on another
         replica, up to ``MAX_RETRIES`` times. Once a token is out, a failure ends the
         stream with an error and the ledger keeps what was delivered as ``partial``."""
-        tally = _Tally()
+        tally = _Tally(n=call.params.n)
         request = GenerateRequest(request_id, call.params, call.prompt, call.messages)
         failed: Lease | None = None
         attempt = 0
@@ -107,7 +124,7 @@ class Invoker:
                 502, f"the replica serving {spec.name!r} failed: {exc!r}", type="api_error"
             ) from exc
         finally:
-            self._account(spec, call, request_id, tally)
+            self._account(spec, call, request_id, tally, caller or Caller())
 
     async def _attempt(
         self, spec: DeploymentSpec, request: GenerateRequest, tally: _Tally, avoid: Lease | None
@@ -157,11 +174,13 @@ class Invoker:
         task.add_done_callback(self._background.discard)
 
     def _account(
-        self, spec: DeploymentSpec, call: CompletionCall, request_id: str, t: _Tally
+        self, spec: DeploymentSpec, call: CompletionCall, request_id: str, t: _Tally, c: Caller
     ) -> None:
         total = time.monotonic() - t.t0
         lease = t.lease
         u = t.usage
+        queue = lease.queue_seconds if lease else None
+        cold = bool(lease and lease.cold_start)
         self.ledger.submit(
             UsageRecord(
                 request_id=request_id,
@@ -172,16 +191,31 @@ class Invoker:
                 completion_tokens=u.completion_tokens,
                 cached_tokens=u.cached_tokens,
                 tenant_id=spec.tenant_id,
-                queue_seconds=lease.queue_seconds if lease else None,
+                queue_seconds=queue,
                 ttft_seconds=t.ttft,
                 total_seconds=total,
-                cold_start=bool(lease and lease.cold_start),
+                cold_start=cold,
                 error=t.error,
+                api_key_id=c.api_key_id,
+                client_request_id=c.client_request_id,
             )
         )
-        self.metrics.observe_request(
-            spec.name, t.status, u, t.ttft, total, lease.queue_seconds if lease else None
-        )
+        self.metrics.observe_request(spec.name, t.status, u, t.ttft, total, queue)
+        # One structured line per request (JSON with HOTPOOL_LOG_FORMAT=json): never the
+        # prompt, the output or the key itself, only its prefix.
+        requests_log.info(
+            "%s %s %s: %d+%d tokens in %.3fs",
+            request_id, spec.name, t.status, u.prompt_tokens, u.completion_tokens, total,
+            extra={
+                "request_id": request_id, "client_request_id": c.client_request_id,
+                "tenant_id": spec.tenant_id, "api_key": c.key_prefix,
+                "deployment": spec.name, "endpoint": call.endpoint, "status": t.status,
+                "prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
+                "completion_tokens": u.completion_tokens, "queue_seconds": queue,
+                "ttft_seconds": t.ttft, "total_seconds": round(total, 6),
+                "cold_start": cold, "error": t.error,
+            },
+        )  # fmt: skip
 
 
 def _tally_event(tally: _Tally, event: GenerateEvent) -> None:
@@ -189,10 +223,15 @@ def _tally_event(tally: _Tally, event: GenerateEvent) -> None:
         tally.usage = event.usage
     if tally.ttft is None and event.token_ids:
         tally.ttft = time.monotonic() - tally.t0
-    if event.finish_reason is not None:
+    if event.finish_reason is None:
+        return
+    tally.finishes[event.index] = event.finish_reason
+    if event.finish_reason == "error":  # one failed choice ends the request
+        tally.finish, tally.status, tally.error = "error", "error", event.error
+    elif len(tally.finishes) >= tally.n and tally.finish is None:
+        done = tally.finishes.values()
         tally.finish = event.finish_reason
-        tally.status = "completed" if event.finish_reason in ("stop", "length") else "error"
-        tally.error = event.error
+        tally.status = "completed" if all(f in ("stop", "length") for f in done) else "error"
 
 
 def _worker_error(status: int, body: bytes) -> APIError:

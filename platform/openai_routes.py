@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -12,10 +12,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from hotpool.billing.deployments import DeploymentSpec
+from hotpool.platform.auth import Principal, authorize, caller, owned
+from hotpool.platform.choices import collect_choices
 from hotpool.platform.errors import APIError
+from hotpool.platform.logprobs import CompletionLogprobs, chat_logprobs
 from hotpool.platform.schemas import CompletionCall, parse_chat, parse_completion
 from hotpool.platform.services import Services, read_json
-from hotpool.worker.protocol import GenerateEvent, Usage
+from hotpool.worker.protocol import GenerateEvent, PositionLogprobs, Usage
 
 
 def usage_json(u: Usage) -> dict[str, Any]:
@@ -40,19 +43,37 @@ class _Shape:
         self.created = int(time.time())
         self.model = call.model
         self.object = "chat.completion" if self.chat else "text_completion"
+        self.n = call.params.n
+        self.want_logprobs = call.params.logprobs is not None
+        self._legacy: dict[int, CompletionLogprobs] = {}  # per choice: text offsets run on
 
     def choice(
-        self, text: str, finish: str | None, first: bool = False, final: bool = False
+        self,
+        index: int,
+        text: str,
+        finish: str | None,
+        positions: Sequence[PositionLogprobs] = (),
+        first: bool = False,
+        final: bool = False,
     ) -> dict[str, Any]:
+        """One choice of a response (``final``) or of a chunk; ``first``: its first chunk."""
+        logprobs = self._logprobs(index, positions) if positions or final else None
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if final:
             body: dict[str, Any] = {"role": "assistant", "content": text}
-            return {"index": 0, "message": body, "logprobs": None, "finish_reason": finish}
+            return {"index": index, "message": body, "logprobs": logprobs, "finish_reason": finish}
         delta = (
             {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         )
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def _logprobs(self, index: int, positions: Sequence[PositionLogprobs]) -> Any:
+        if not self.want_logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(positions)
+        return self._legacy.setdefault(index, CompletionLogprobs()).chunk(positions)
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         obj = self.object + (".chunk" if chunk and self.chat else "")
@@ -66,23 +87,25 @@ class _Shape:
 
 
 async def chat_completions(request: Request) -> Response:
-    return await _complete(request, parse_chat(await read_json(request)))
+    principal = await authorize(request, "invoke")  # before reading the body
+    return await _complete(request, principal, parse_chat(await read_json(request)))
 
 
 async def completions(request: Request) -> Response:
-    return await _complete(request, parse_completion(await read_json(request)))
+    principal = await authorize(request, "invoke")
+    return await _complete(request, principal, parse_completion(await read_json(request)))
 
 
-async def _complete(request: Request, call: CompletionCall) -> Response:
+async def _complete(request: Request, principal: Principal, call: CompletionCall) -> Response:
     services: Services = request.app.state.services
-    spec = services.catalog.get(call.model)
+    spec = owned(services.catalog.get(call.model), principal)
     if spec is None:
         raise APIError(
             404, f"The model `{call.model}` does not exist or you do not have access to it.",
             param="model", code="model_not_found",
         )  # fmt: skip
     request_id: str = request.scope["state"]["request_id"]
-    events = services.invoker.generate(spec, call, request_id)
+    events = services.invoker.generate(spec, call, request_id, caller(request, principal))
     first = await anext(events)  # queueing, cold start and validation errors surface here
     shape = _Shape(call, request_id)
     if call.stream:
@@ -93,16 +116,15 @@ async def _complete(request: Request, call: CompletionCall) -> Response:
 async def _collect(
     shape: _Shape, first: GenerateEvent, events: AsyncIterator[GenerateEvent]
 ) -> dict[str, Any]:
-    parts, last = [first.text], first
-    async for event in events:
-        parts.append(event.text)
-        last = event
-    if last.finish_reason == "error":
-        raise APIError(502, f"generation failed: {last.error}", type="api_error")
+    choices = await collect_choices(shape.n, first, events)
     body = shape.envelope(
-        [shape.choice("".join(parts), _finish(last.finish_reason), final=True)], chunk=False
+        [
+            shape.choice(i, c.text, _finish(c.finish_reason), c.logprobs, final=True)
+            for i, c in enumerate(choices.choices)
+        ],
+        chunk=False,
     )
-    body["usage"] = usage_json(last.usage or Usage())
+    body["usage"] = usage_json(choices.usage)
     return body
 
 
@@ -114,8 +136,11 @@ async def _sse(
             obj.setdefault("usage", None)  # OpenAI: null on every chunk but the last
         return f"data: {json.dumps(obj)}\n\n"
 
+    def chunk(choice: dict[str, Any]) -> str:
+        return data(shape.envelope([choice], chunk=True))
+
     event: GenerateEvent | None = first
-    is_first = True
+    started: set[int] = set()  # choices whose first chunk (with the role) is out
     usage = Usage()
     try:
         while event is not None:
@@ -126,15 +151,13 @@ async def _sse(
                     {"error": APIError(502, f"generation failed: {event.error}").body()["error"]}
                 )
                 break
+            i = event.index
+            if event.text or event.logprobs or i not in started:
+                yield chunk(shape.choice(i, event.text, None, event.logprobs, i not in started))
+                started.add(i)
             finish = _finish(event.finish_reason)
-            if event.text or is_first:
-                yield data(
-                    shape.envelope([shape.choice(event.text, None, first=is_first)], chunk=True)
-                )
-                is_first = False
             if finish is not None:
-                yield data(shape.envelope([shape.choice("", finish)], chunk=True))
-                break
+                yield chunk(shape.choice(i, "", finish))
             event = await anext(events, None)
     except APIError as exc:  # the stream has started: report in band
         yield data({"error": exc.body()["error"]})
@@ -154,14 +177,17 @@ def model_json(spec: DeploymentSpec) -> dict[str, Any]:
 
 
 async def list_models(request: Request) -> Response:
+    principal = await authorize(request, "invoke")
     services: Services = request.app.state.services
-    specs = sorted(services.catalog.all().values(), key=lambda s: s.name)
+    mine = (s for s in services.catalog.all().values() if s.tenant_id == principal.tenant_id)
+    specs = sorted(mine, key=lambda s: s.name)
     return JSONResponse({"object": "list", "data": [model_json(s) for s in specs]})
 
 
 async def get_model(request: Request) -> Response:
+    principal = await authorize(request, "invoke")
     services: Services = request.app.state.services
-    spec = services.catalog.get(request.path_params["model"])
+    spec = owned(services.catalog.get(request.path_params["model"]), principal)
     if spec is None:
         raise APIError(
             404,

@@ -1,8 +1,9 @@
 """Parse and validate OpenAI-compatible request bodies into typed calls.
 
 Every problem is an :class:`APIError` 400 naming the parameter. Parameters hotpool does not
-support yet are rejected, never silently ignored: a client that asks for ``n=2`` or
-``logprobs`` must not get something else without knowing.
+support yet are rejected, never silently ignored: a client that asks for ``logit_bias`` or
+``tools`` must not get something else without knowing. :func:`sampling_params` is shared
+with the native invoke API.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from hotpool.platform.errors import invalid
-from hotpool.worker.protocol import ChatMessage, SamplingParams
+from hotpool.worker.protocol import MAX_LOGPROBS, MAX_N, ChatMessage, SamplingParams
 
-Endpoint = Literal["chat.completions", "completions"]
+Endpoint = Literal["chat.completions", "completions", "invoke"]
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4
+MAX_USER = 256  # characters of the `user` end-user id, as OpenAI allows
+MAX_LEGACY_LOGPROBS = 5  # /v1/completions' `logprobs`, as OpenAI allows
 
 _SAMPLING = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
@@ -31,7 +34,8 @@ COMPLETION_FIELDS = _SAMPLING | {"prompt", "echo", "suffix", "best_of"}
 
 @dataclass(frozen=True)
 class CompletionCall:
-    """A validated ``/v1/chat/completions`` or ``/v1/completions`` request."""
+    """A validated ``/v1/chat/completions``, ``/v1/completions`` or native invoke request;
+    ``params.n`` choices, ``params.logprobs`` top alternatives per token (None: no logprobs)."""
 
     endpoint: Endpoint
     model: str
@@ -44,24 +48,27 @@ class CompletionCall:
 
 
 def parse_chat(body: Any) -> CompletionCall:
-    b = _Body(body, CHAT_FIELDS)
-    messages = tuple(_message(m, i) for i, m in enumerate(b.require("messages", list)))
-    if not messages:
-        raise invalid("`messages` must hold at least one message", "messages")
+    b = Body(body, CHAT_FIELDS)
+    messages = parse_messages(b)
     max_tokens = b.opt_int("max_completion_tokens", 1) or b.opt_int("max_tokens", 1)
-    b.unsupported_unless("top_logprobs", lambda v: v is None)
     b.unsupported_unless("tools", lambda v: not v)
     b.unsupported_unless("tool_choice", lambda v: v in (None, "none"))
     b.unsupported_unless("parallel_tool_calls", lambda v: v is None)
     b.unsupported_unless(
         "response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text")
     )
-    b.unsupported_unless("logprobs", lambda v: v is None or v is False)
-    return _call(b, "chat.completions", max_tokens, messages=messages)
+    logprobs = b.opt("logprobs", bool, False)
+    top = b.opt_int("top_logprobs", 0)
+    if top is not None and top > MAX_LOGPROBS:
+        raise invalid(f"`top_logprobs` must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+    if top is not None and not logprobs:
+        raise invalid("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
+    num_logprobs = (top or 0) if logprobs else None
+    return _call(b, "chat.completions", max_tokens, num_logprobs, messages=messages)
 
 
 def parse_completion(body: Any) -> CompletionCall:
-    b = _Body(body, COMPLETION_FIELDS)
+    b = Body(body, COMPLETION_FIELDS)
     prompt = b.require("prompt", (str, list))
     if isinstance(prompt, list):
         if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -76,14 +83,25 @@ def parse_completion(body: Any) -> CompletionCall:
     b.unsupported_unless("echo", lambda v: v in (None, False))
     b.unsupported_unless("suffix", lambda v: v is None)
     b.unsupported_unless("best_of", lambda v: v is None or _number_is(v, 1))
-    b.unsupported_unless("logprobs", lambda v: v is None or _number_is(v, 0))
-    return _call(b, "completions", max_tokens, prompt=prompt)
+    logprobs = b.opt_int("logprobs", 0)
+    if logprobs is not None and logprobs > MAX_LEGACY_LOGPROBS:
+        raise invalid(f"`logprobs` must be between 0 and {MAX_LEGACY_LOGPROBS}", "logprobs")
+    return _call(b, "completions", max_tokens, logprobs, prompt=prompt)
+
+
+def parse_messages(b: Body) -> tuple[ChatMessage, ...]:
+    """``messages``: at least one, each with a known role and text content."""
+    messages = tuple(_message(m, i) for i, m in enumerate(b.require("messages", list)))
+    if not messages:
+        raise invalid("`messages` must hold at least one message", "messages")
+    return messages
 
 
 def _call(
-    b: _Body,
+    b: Body,
     endpoint: Endpoint,
     max_tokens: int | None,
+    logprobs: int | None,
     messages: tuple[ChatMessage, ...] | None = None,
     prompt: str | None = None,
 ) -> CompletionCall:
@@ -100,15 +118,25 @@ def _call(
         include_usage = options.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise invalid("`stream_options.include_usage` must be a boolean", "stream_options")
-    b.unsupported_unless("n", lambda v: v is None or _number_is(v, 1), "only n=1 is supported")
     b.unsupported_unless("logit_bias", lambda v: not v)
+    user = b.opt("user", str, None)
+    if user is not None and len(user) > MAX_USER:
+        raise invalid(f"`user` must be at most {MAX_USER} characters", "user")
+    params = sampling_params(b, max_tokens, logprobs)
+    return CompletionCall(endpoint, model, params, stream, include_usage, messages, prompt, user)
+
+
+def sampling_params(b: Body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The sampling fields every endpoint shares (OpenAI's, vLLM's extensions, ``n``),
+    checked against the engine's own rules, so nothing the engine would refuse gets past."""
+    n = b.opt_int("n", 1, default=1) or 1
+    if n > MAX_N:
+        raise invalid(f"`n` must be between 1 and {MAX_N}", "n")
     temperature = b.opt_number("temperature", 0.0, 2.0, 1.0)
     top_p = b.opt_number("top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:
         raise invalid("`top_p` must be greater than 0", "top_p")
     top_k = b.opt_int("top_k", -1, default=0)
-    seed = b.opt_int("seed", None)
-    user = b.opt("user", str, None)
     params = SamplingParams(
         max_tokens=max_tokens,
         min_tokens=b.opt_int("min_tokens", 0, default=0) or 0,
@@ -119,16 +147,18 @@ def _call(
         presence_penalty=b.opt_number("presence_penalty", -2.0, 2.0, 0.0),
         frequency_penalty=b.opt_number("frequency_penalty", -2.0, 2.0, 0.0),
         repetition_penalty=b.opt_number("repetition_penalty", 0.0, 10.0, 1.0),
-        seed=seed,
+        seed=b.opt_int("seed", None),
         stop=_stop(b.opt("stop", (str, list), None)),
         ignore_eos=bool(b.opt("ignore_eos", bool, False)),
+        logprobs=logprobs,
+        n=n,
     )
     try:
-        params.validate()  # the engine's own rules, so nothing it would refuse gets this far
+        params.validate()
     except ValueError as exc:
         param = str(exc).split("`")[1] if "`" in str(exc) else None
         raise invalid(str(exc), param) from None
-    return CompletionCall(endpoint, model, params, stream, include_usage, messages, prompt, user)
+    return params
 
 
 def _stop(value: str | list[Any] | None) -> tuple[str, ...]:
@@ -169,7 +199,9 @@ def _message(raw: Any, i: int) -> ChatMessage:
     return ChatMessage(role="system" if role == "developer" else role, content=content)
 
 
-class _Body:
+class Body:
+    """A JSON object being validated: typed getters that raise a 400 naming the field."""
+
     def __init__(self, body: Any, allowed: set[str]) -> None:
         if not isinstance(body, dict):
             raise invalid("the request body must be a JSON object")

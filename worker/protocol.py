@@ -2,8 +2,8 @@
 
 This is the one module of ``hotpool.worker`` that the control plane (``platform``, ``pool``)
 may import: plain dataclasses with JSON round trips, no torch. ``/generate`` answers with
-newline-delimited JSON, one :class:`GenerateEvent` per line; the last one carries ``usage``
-and ``finish_reason``.
+newline-delimited JSON, one :class:`GenerateEvent` per line; each choice's last event
+carries its ``finish_reason``, and the stream's last event the request's exact ``usage``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # Model types (a snapshot manifest's ``architecture``, config.json's ``model_type``) that the
 # worker's model code runs; the control plane checks deployments against it without torch.
 RUNNABLE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+MAX_N = 16  # choices one request may ask for
+MAX_LOGPROBS = 20  # top alternatives per position
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each sampled position (0: only the token's)
+    n: int = 1  # choices for the prompt: the worker runs n sequences, one request
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first parameter out of range."""
@@ -58,7 +62,9 @@ class SamplingParams:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"must be in [0, {MAX_LOGPROBS}]"),
+            ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}]"),
         ]  # fmt: skip
         for name, ok, why in checks:
             if not ok:
@@ -111,14 +117,53 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's logprob. ``token`` is its text and ``utf8`` its exact bytes: a byte-level
+    token can hold part of a character, which ``token`` then shows as U+FFFD."""
+
+    token_id: int
+    token: str
+    logprob: float
+    utf8: tuple[int, ...]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TokenLogprob:
+        return cls(data["token_id"], data["token"], data["logprob"], tuple(data["utf8"]))
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """One output position: the sampled token and the ``logprobs`` best tokens, best first."""
+
+    sampled: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PositionLogprobs:
+        return cls(
+            TokenLogprob.from_json(data["sampled"]),
+            tuple(TokenLogprob.from_json(t) for t in data.get("top") or ()),
+        )
+
+
+@dataclass(frozen=True)
 class GenerateEvent:
-    """A text delta; on the final event ``finish_reason`` and ``usage`` are set."""
+    """A text delta of choice ``index``; the choice's last event has its ``finish_reason``.
+
+    With ``n`` choices the stream interleaves them and ends after the last choice's finish
+    (or the first ``"error"``, which ends them all). ``usage`` is the running total of the
+    whole request (the prompt once, completion tokens summed over choices), so the stream's
+    last event carries the exact one. ``logprobs`` holds one entry per token in
+    ``token_ids`` when the request asked for them.
+    """
 
     text: str = ""
     token_ids: tuple[int, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    index: int = 0
+    logprobs: tuple[PositionLogprobs, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,6 +177,8 @@ class GenerateEvent:
             finish_reason=data.get("finish_reason"),
             usage=None if usage is None else Usage(**usage),
             error=data.get("error"),
+            index=data.get("index", 0),
+            logprobs=tuple(PositionLogprobs.from_json(p) for p in data.get("logprobs") or ()),
         )
 
 

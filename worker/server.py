@@ -108,7 +108,7 @@ class WorkerMetrics:
         )
         self.requests = Counter(
             "hotpool_worker_requests",
-            "Generations by finish reason",
+            "Generated choices by finish reason",
             ["finish_reason"],
             registry=self.registry,
         )
@@ -206,17 +206,17 @@ async def _json(request: Request) -> Any:
 async def _ndjson(
     first: GenerateEvent, rest: AsyncIterator[GenerateEvent], metrics: WorkerMetrics
 ) -> AsyncIterator[bytes]:
-    event = first
+    event: GenerateEvent | None = first
+    last = first
     try:
-        while True:
-            if event.finish_reason is not None and event.usage is not None:
-                metrics.requests.labels(event.finish_reason or "unknown").inc()
-                metrics.tokens.labels("prompt").inc(event.usage.prompt_tokens)
-                metrics.tokens.labels("completion").inc(event.usage.completion_tokens)
-            yield (json.dumps(event.to_json()) + "\n").encode()
+        while event is not None:
             if event.finish_reason is not None:
-                return
-            event = await anext(rest)
+                metrics.requests.labels(event.finish_reason).inc()
+            yield (json.dumps(event.to_json()) + "\n").encode()
+            last, event = event, await anext(rest, None)
+        if last.usage is not None:  # the stream's last event: the request's exact usage
+            metrics.tokens.labels("prompt").inc(last.usage.prompt_tokens)
+            metrics.tokens.labels("completion").inc(last.usage.completion_tokens)
     except Exception as exc:  # a failure mid-stream ends it with an error event
         log.exception("generation failed")
         yield (

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 import torch
 
-from hotpool.worker.detokenizer import IncrementalDetokenizer
+from hotpool.worker.choices import Choices, engine_requests
 from hotpool.worker.engine.async_engine import AsyncEngine
 from hotpool.worker.engine.base import EngineRequest, RequestRejected
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
@@ -28,7 +29,6 @@ from hotpool.worker.protocol import (
     LoadRequest,
     LoadResult,
     SamplingParams,
-    Usage,
 )
 from hotpool.worker.snapshot.cache import SnapshotCache
 from hotpool.worker.tokenizer import TextTokenizer
@@ -76,6 +76,7 @@ class WorkerService:
         self.host_cache = host_cache or HostModelCache(0)
         self.loaded: LoadedModel | None = None
         self._lock = asyncio.Lock()
+        self._running: dict[str, tuple[str, ...]] = {}  # request id -> its choices' engine ids
 
     async def load(self, req: LoadRequest) -> LoadResult:
         async with self._lock:
@@ -139,48 +140,55 @@ class WorkerService:
             )
 
     def abort(self, request_id: str) -> bool:
-        return self.loaded is not None and self.loaded.engine.abort(request_id)
+        """Stop a request (all its choices); each ends with ``finish_reason="abort"``."""
+        loaded = self.loaded
+        if loaded is None:
+            return False
+        ids = self._running.get(request_id, (request_id,))
+        return any([loaded.engine.abort(i) for i in ids])
 
-    def prepare(self, req: GenerateRequest) -> tuple[LoadedModel, EngineRequest]:
-        """Tokenize; raises ``NotLoaded`` / ``TemplateError`` before anything is streamed."""
+    def prepare(self, req: GenerateRequest) -> tuple[LoadedModel, list[EngineRequest]]:
+        """Tokenize and split into choices; raises ``NotLoaded``, ``TemplateError`` or
+        ``RequestRejected`` before anything is streamed."""
         loaded = self.loaded
         if loaded is None:
             raise NotLoaded("no model is loaded on this worker")
+        try:
+            req.params.validate()  # `n` is checked here: each choice's engine request has n=1
+        except ValueError as exc:
+            raise RequestRejected(str(exc)) from None
         tok = loaded.tokenizer
         text = (
             tok.apply_chat_template(req.messages) if req.messages is not None else req.prompt or ""
         )
         ids = tuple(tok.encode(text))
-        return loaded, EngineRequest(req.request_id, ids, req.params, tok.eos_token_ids)
+        return loaded, engine_requests(req.request_id, ids, req.params, tok.eos_token_ids)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateEvent]:
-        """Stream text deltas; the last event has ``finish_reason`` and exact ``usage``."""
-        loaded, ereq = self.prepare(req)
-        detok = IncrementalDetokenizer(loaded.tokenizer, req.params.stop)
-        n_prompt, n_out = len(ereq.prompt_token_ids), 0
+        """Stream text deltas of each choice (tagged with its ``index``); each choice's last
+        event has its ``finish_reason``, and the stream's last one the exact ``usage``."""
+        loaded, ereqs = self.prepare(req)
+        choices = Choices(loaded.tokenizer, ereqs, req.params.stop)
+        engine = loaded.engine
+        self._running[req.request_id] = tuple(e.request_id for e in ereqs)
         try:
-            async for out in loaded.engine.generate(ereq):
-                if out.finish_reason == "error":
-                    text = detok.flush()
-                    usage = Usage(n_prompt, n_out, out.num_cached_tokens)
-                    yield GenerateEvent(text, (), "error", usage, out.error)
-                    return
-                n_out += len(out.new_token_ids)
-                text = detok.push(out.new_token_ids)
-                reason = "stop" if detok.stopped else out.finish_reason
-                if reason is not None:
-                    text += detok.flush()
-                    usage = Usage(n_prompt, n_out, out.num_cached_tokens)
-                    yield GenerateEvent(text, out.new_token_ids, reason, usage)
-                    return  # leaving the engine's iterator aborts it if it was a stop string
-                if text or out.new_token_ids:
-                    # Running usage on every event: whoever cuts the stream knows what it cost.
-                    yield GenerateEvent(text, out.new_token_ids, usage=Usage(n_prompt, n_out))
+            async with aclosing(engine.generate_many(ereqs)) as outs:
+                async for out in outs:
+                    event = choices.event(out)
+                    if event is None:
+                        continue
+                    yield event
+                    if event.finish_reason == "error" or choices.done:
+                        return  # closing the engine's iterator aborts whatever still runs
+                    if event.finish_reason is not None and not out.finished:
+                        engine.abort(out.request_id)  # a stop string ended this choice early
         except RequestRejected:
             raise  # before any token: the caller answers 400
         except Exception as exc:
             # The tokens already computed are still billable: report them with the error.
-            yield GenerateEvent(finish_reason="error", usage=Usage(n_prompt, n_out), error=str(exc))
+            yield GenerateEvent(finish_reason="error", usage=choices.usage(), error=str(exc))
+        finally:
+            self._running.pop(req.request_id, None)
 
 
 def _warm_up(engine: LLMEngine) -> None:

@@ -88,6 +88,12 @@ def _routes(target: str) -> list[tuple[str, str, str, Any]]:
         ("deploy", "GET", f"/v1/deployments/{target}/events", None),
         ("invoke", "POST", "/v1/chat/completions", chat),
         ("invoke", "POST", "/v1/completions", {"model": target, "prompt": "x", "max_tokens": 0}),
+        (
+            "invoke",
+            "POST",
+            f"/v1/deployments/{target}/invoke",
+            {"prompt": "x", "params": {"max_tokens": 0}},
+        ),  # fmt: skip
         ("invoke", "GET", "/v1/models", None),
         ("invoke", "GET", f"/v1/models/{target}", None),
         ("usage", "GET", "/v1/usage", None),
@@ -127,6 +133,8 @@ def test_another_tenants_deployment_does_not_exist_for_you(world: World) -> None
     for scope, method, path, body in _routes("beta-model"):
         if "beta-model" not in path and not (body and body.get("model") == "beta-model"):
             continue
+        if body is not None:  # valid, so the answer is about the model, not the body
+            body = {**body, "params": {}} if "params" in body else {**body, "max_tokens": 1}
         r = world.client.request(method, path, json=body, headers=own)
         assert r.status_code == 404, (scope, path, r.text)
         assert "beta" in r.json()["error"]["message"]  # names what you asked for, no more

@@ -139,9 +139,6 @@ def _rejects(parse: Any, body: Any, param: str | None, text: str = "") -> APIErr
         ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
         ({**CHAT, "seed": "7"}, "seed"),
         ({**CHAT, "stream": "yes"}, "stream"),
-        ({**CHAT, "n": 2}, "n"),
-        ({**CHAT, "logprobs": True}, "logprobs"),
-        ({**CHAT, "top_logprobs": 3}, "top_logprobs"),
         ({**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
         ({**CHAT, "frequency_penalty": -3}, "frequency_penalty"),
         ({**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
@@ -177,8 +174,6 @@ def test_unknown_field_is_rejected_like_openai() -> None:
 
 
 def test_unsupported_parameters_say_so() -> None:
-    err = _rejects(parse_chat, {**CHAT, "n": 2}, "n", "n=1")
-    assert err.code == "unsupported_parameter"
     err = _rejects(parse_chat, {**CHAT, "logit_bias": {"1": 5}}, "logit_bias", "not supported")
     assert err.code == "unsupported_parameter"
 
@@ -208,11 +203,9 @@ def test_body_must_be_an_object(body: Any) -> None:
         ({"model": "m", "prompt": [[1, 2, 3]]}, "prompt"),
         ({"model": "m", "prompt": 42}, "prompt"),
         ({**COMPLETION, "max_tokens": 0}, "max_tokens"),
-        ({**COMPLETION, "logprobs": 5}, "logprobs"),
         ({**COMPLETION, "echo": True}, "echo"),
         ({**COMPLETION, "suffix": "!"}, "suffix"),
         ({**COMPLETION, "best_of": 3}, "best_of"),
-        ({**COMPLETION, "n": 2}, "n"),
         ({**COMPLETION, "temperature": False}, "temperature"),
         ({**COMPLETION, "max_completion_tokens": 5}, "max_completion_tokens"),
     ],
@@ -256,3 +249,88 @@ def test_booleans_do_not_pass_for_numbers(field: str, value: bool) -> None:
     with pytest.raises(APIError) as exc:
         parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value})
     assert exc.value.status == 400 and exc.value.param == field
+
+
+# --- n, logprobs, user ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 16])
+def test_n_choices_up_to_16(n: int) -> None:
+    assert parse_chat({**CHAT, "n": n}).params.n == n
+    assert parse_completion({**COMPLETION, "n": n}).params.n == n
+
+
+def test_n_defaults_to_one() -> None:
+    assert parse_chat(CHAT).params.n == 1 and parse_chat({**CHAT, "n": None}).params.n == 1
+
+
+@pytest.mark.parametrize("n", [0, -1, 17, 1000, 1.5, 2.0, "2", True, [2]])
+def test_bad_n_is_a_400_naming_n(n: Any) -> None:
+    _rejects(parse_chat, {**CHAT, "n": n}, "n")
+    _rejects(parse_completion, {**COMPLETION, "n": n}, "n")
+
+
+@pytest.mark.parametrize(
+    ("extra", "want"),
+    [
+        ({}, None),
+        ({"logprobs": False}, None),
+        ({"logprobs": True}, 0),  # the sampled token's logprob only
+        ({"logprobs": True, "top_logprobs": 0}, 0),
+        ({"logprobs": True, "top_logprobs": 5}, 5),
+        ({"logprobs": True, "top_logprobs": 20}, 20),
+        ({"logprobs": False, "top_logprobs": None}, None),
+    ],
+)
+def test_chat_logprobs_and_top_logprobs(extra: dict[str, Any], want: int | None) -> None:
+    assert parse_chat({**CHAT, **extra}).params.logprobs == want
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
+        ({"top_logprobs": 0}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 2.5}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": True}, "top_logprobs"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"logprobs": "yes"}, "logprobs"),
+    ],
+)
+def test_bad_chat_logprobs_are_400s(extra: dict[str, Any], param: str) -> None:
+    _rejects(parse_chat, {**CHAT, **extra}, param)
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, None), (0, 0), (1, 1), (5, 5)])
+def test_completion_logprobs_take_the_legacy_count(value: int | None, want: int | None) -> None:
+    assert parse_completion({**COMPLETION, "logprobs": value}).params.logprobs == want
+
+
+@pytest.mark.parametrize("value", [6, 20, -1, 1.5, True, False, "3"])
+def test_bad_completion_logprobs_are_400s(value: Any) -> None:
+    _rejects(parse_completion, {**COMPLETION, "logprobs": value}, "logprobs")
+
+
+def test_top_logprobs_is_a_chat_field_only() -> None:
+    _rejects(parse_completion, {**COMPLETION, "top_logprobs": 2}, "top_logprobs")
+
+
+@pytest.mark.parametrize("user", ["", "alice", "u" * 256])
+def test_user_is_carried(user: str) -> None:
+    assert parse_chat({**CHAT, "user": user}).user == user
+    assert parse_completion({**COMPLETION, "user": user}).user == user
+
+
+@pytest.mark.parametrize("user", ["u" * 257, 42, ["alice"], {"id": "alice"}, True])
+def test_bad_user_is_a_400(user: Any) -> None:
+    _rejects(parse_chat, {**CHAT, "user": user}, "user")
+    _rejects(parse_completion, {**COMPLETION, "user": user}, "user")
+
+
+def test_n_and_logprobs_together_with_a_seed() -> None:
+    body = {**CHAT, "n": 3, "seed": 11, "logprobs": True, "top_logprobs": 2, "stream": True}
+    p = parse_chat(body).params
+    assert (p.n, p.seed, p.logprobs) == (3, 11, 2)

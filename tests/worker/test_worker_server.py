@@ -65,6 +65,35 @@ def test_generate_streams_deltas_then_exact_usage(worker: TestClient) -> None:
     assert "".join(e["text"] for e in events).strip()
 
 
+def test_generate_streams_every_choice_then_the_whole_usage(worker: TestClient) -> None:
+    body = {"request_id": "g-n", "prompt": "One two three",
+            "params": {"max_tokens": 4, "n": 2, "seed": 1, "logprobs": 2}}  # fmt: skip
+    events = _events(worker, body)
+    finishes = [e for e in events if e["finish_reason"]]
+    assert sorted(e["index"] for e in finishes) == [0, 1]  # type: ignore[type-var]
+    assert events[-1] == finishes[-1]  # the stream ends with the last choice's finish
+    usage = events[-1]["usage"]
+    assert isinstance(usage, dict)
+    assert usage["completion_tokens"] == sum(len(e["token_ids"]) for e in events)  # type: ignore[arg-type]
+    assert all(len(e["logprobs"]) == len(e["token_ids"]) for e in events)  # type: ignore[arg-type]
+    r = worker.post("/generate", json={**body, "params": {"n": 0}}, headers=AUTH)
+    assert r.status_code == 400 and "`n`" in r.json()["error"]["message"]
+
+
+def test_each_choice_stops_at_its_stop_string(worker: TestClient) -> None:
+    body = {"request_id": "g-stop", "prompt": "1, 2, 3, 4,",
+            "params": {"max_tokens": 20, "n": 2, "temperature": 0.0, "stop": ["7"]}}  # fmt: skip
+    events = _events(worker, body)
+    for i in (0, 1):
+        mine = [e for e in events if e["index"] == i]
+        assert "".join(str(e["text"]) for e in mine) == " 5, 6, "
+        assert [e["finish_reason"] for e in mine][-1] == "stop"
+    usage = events[-1]["usage"]
+    assert isinstance(usage, dict)
+    assert usage["completion_tokens"] == sum(len(e["token_ids"]) for e in events) == 16  # type: ignore[arg-type]
+    assert worker.get("/health").json()["active_requests"] == 0
+
+
 def test_bad_requests_are_400s_before_any_token(worker: TestClient) -> None:
     too_long = {"request_id": "g2", "prompt": "hi", "params": {"max_tokens": 100_000}}
     r = worker.post("/generate", json=too_long, headers=AUTH)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from hotpool.worker.engine.base import Engine, EngineRequest, RequestOutput
 
@@ -42,31 +42,58 @@ class AsyncEngine:
 
     @property
     def num_active(self) -> int:
-        return len(self._streams)
+        """Requests in flight (a request of n choices counts once)."""
+        return len({id(s) for s in self._streams.values()})
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Yield one :class:`RequestOutput` per step until the request finishes.
 
         Leaving the iterator early (client gone, stop string found) aborts the request.
         """
+        return self.generate_many((request,))
+
+    async def generate_many(
+        self, requests: Sequence[EngineRequest]
+    ) -> AsyncIterator[RequestOutput]:
+        """The outputs of several requests (the n choices of one prompt), interleaved as the
+        steps produce them, until all have finished.
+
+        They are added in one go, so they are admitted together and share the prompt's
+        prefix-cache blocks. A rejection of any raises before any output; leaving the
+        iterator early aborts those still running.
+        """
         stream = _Stream(asyncio.get_running_loop())
-        rid = request.request_id
-        self._streams[rid] = stream
-        self._submit(lambda: self._add(request, stream))
-        finished = False
+        ids = [r.request_id for r in requests]
+        for rid in ids:
+            self._streams[rid] = stream
+
+        def add() -> None:
+            for r in requests:
+                self._add(r, stream)
+
+        self._submit(add)
+        unfinished = set(ids)
         try:
-            while True:
+            while unfinished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                if item.request_id not in unfinished:
+                    continue  # an abort that raced the request's own finish
+                if item.finished:
+                    unfinished.discard(item.request_id)
                 yield item
-                if finished:
-                    return
         finally:
-            self._streams.pop(rid, None)
-            if not finished:
-                self._submit(lambda: self.engine.abort(rid))
+            for rid in ids:
+                self._streams.pop(rid, None)
+            if unfinished:
+                left = tuple(unfinished)
+
+                def abort() -> None:
+                    for rid in left:
+                        self.engine.abort(rid)
+
+                self._submit(abort)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its stream ends with ``finish_reason="abort"``."""

@@ -1,0 +1,143 @@
+"""The native invoke API: ``POST /v1/deployments/{name}/invoke``.
+
+Body: exactly one of ``prompt`` (a string) and ``messages`` (chat messages, as in OpenAI's
+chat API), an optional ``params`` object of sampling parameters (``max_tokens``,
+``temperature``, ``top_p``, ``top_k``, ``min_p``, ``stop``, ``seed``, the penalties,
+``min_tokens``, ``ignore_eos``, ``n``, ``logprobs``: top alternatives per token, 0-20) and
+``stream``. ``max_tokens`` defaults as in the OpenAI routes: 16 for a prompt, up to the
+context length for messages.
+
+The answer holds each choice's text and token ids; streamed, it is newline-delimited JSON:
+``{"index", "text", "token_ids"}`` per delta, then ``{"usage", "finish_reasons"}``. With
+``logprobs`` set, outputs and deltas also carry ``logprobs``, one entry per token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from hotpool.platform.auth import authorize, caller, owned
+from hotpool.platform.choices import collect_choices
+from hotpool.platform.errors import APIError, invalid
+from hotpool.platform.logprobs import native_logprobs
+from hotpool.platform.openai_routes import usage_json
+from hotpool.platform.schemas import Body, CompletionCall, parse_messages, sampling_params
+from hotpool.platform.services import Services, read_json
+from hotpool.worker.protocol import GenerateEvent, Usage
+
+INVOKE_FIELDS = {"prompt", "messages", "params", "stream"}
+PARAM_FIELDS = {
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "n", "logprobs",
+}  # fmt: skip
+
+
+def parse_invoke(body: Any, deployment: str) -> CompletionCall:
+    """A validated invoke body; a parameter's 400 names it as ``params.<name>``."""
+    b = Body(body, INVOKE_FIELDS)
+    has_prompt, has_messages = (b.body.get(k) is not None for k in ("prompt", "messages"))
+    if has_prompt == has_messages:
+        param = "messages" if has_prompt else "prompt"
+        raise invalid("give exactly one of `prompt` and `messages`", param)
+    messages = parse_messages(b) if has_messages else None
+    prompt = b.opt("prompt", str, None)
+    if prompt == "":
+        raise invalid("`prompt` must not be empty", "prompt")
+    stream = bool(b.opt("stream", bool, False))
+    raw = b.opt("params", dict, {})
+    try:
+        p = Body(raw, PARAM_FIELDS)
+        max_tokens = p.opt_int("max_tokens", 1, default=16 if prompt is not None else None)
+        params = sampling_params(p, max_tokens, p.opt_int("logprobs", 0))
+    except APIError as exc:
+        if exc.param is None:
+            raise
+        name = f"params.{exc.param}"
+        message = exc.message.replace(f"`{exc.param}`", f"`{name}`")
+        raise APIError(exc.status, message, param=name, code=exc.code, type=exc.type) from None
+    return CompletionCall("invoke", deployment, params, stream, False, messages, prompt)
+
+
+async def invoke(request: Request) -> Response:
+    principal = await authorize(request, "invoke")
+    services: Services = request.app.state.services
+    name: str = request.path_params["name"]
+    call = parse_invoke(await read_json(request), name)
+    spec = owned(services.catalog.get(name), principal)
+    if spec is None:
+        raise APIError(404, f"deployment {name!r} does not exist", code="deployment_not_found")
+    request_id: str = request.scope["state"]["request_id"]
+    events = services.invoker.generate(spec, call, request_id, caller(request, principal))
+    first = await anext(events)  # queueing, cold start and validation errors surface here
+    want_logprobs = call.params.logprobs is not None
+    if call.stream:
+        return StreamingResponse(
+            _ndjson(call.params.n, want_logprobs, first, events),
+            media_type="application/x-ndjson",
+        )
+    collected = await collect_choices(call.params.n, first, events)
+    outputs = []
+    for i, c in enumerate(collected.choices):
+        out: dict[str, Any] = {
+            "index": i,
+            "text": c.text,
+            "token_ids": c.token_ids,
+            "finish_reason": c.finish_reason,
+        }
+        if want_logprobs:
+            out["logprobs"] = native_logprobs(c.logprobs)
+        outputs.append(out)
+    return JSONResponse(
+        {
+            "object": "invocation",
+            "id": request_id,
+            "deployment": name,
+            "outputs": outputs,
+            "usage": usage_json(collected.usage),
+        }
+    )
+
+
+async def _ndjson(
+    n: int, want_logprobs: bool, first: GenerateEvent, events: AsyncIterator[GenerateEvent]
+) -> AsyncIterator[str]:
+    def line(obj: dict[str, Any]) -> str:
+        return json.dumps(obj) + "\n"
+
+    event: GenerateEvent | None = first
+    usage = Usage()
+    finishes: list[str | None] = [None] * n
+    try:
+        while event is not None:
+            usage = event.usage or usage
+            if event.finish_reason == "error":
+                error = APIError(502, f"generation failed: {event.error}", type="api_error")
+                yield line(error.body())
+                return
+            if event.text or event.token_ids:
+                delta: dict[str, Any] = {
+                    "index": event.index,
+                    "text": event.text,
+                    "token_ids": list(event.token_ids),
+                }
+                if want_logprobs:
+                    delta["logprobs"] = native_logprobs(event.logprobs)
+                yield line(delta)
+            if event.finish_reason is not None and 0 <= event.index < n:
+                finishes[event.index] = event.finish_reason
+            event = await anext(events, None)
+    except APIError as exc:  # the stream has started: report in band
+        yield line({"error": exc.body()["error"]})
+        return
+    finally:
+        await events.aclose()
+    yield line({"usage": usage_json(usage), "finish_reasons": finishes})
+
+
+routes = [Route("/v1/deployments/{name}/invoke", invoke, methods=["POST"])]

@@ -1,0 +1,129 @@
+"""The ``n`` choices of one generation: engine outputs in, :class:`GenerateEvent` out.
+
+A request for ``n`` choices runs as ``n`` engine sequences of the same prompt (ids
+``{request_id}#{i}``; with a seed, choice ``i`` draws from ``seed + i``, so the choices
+differ and still repeat). Each choice has its own detokenizer and stop strings. Usage counts
+the prompt once and adds up the choices' completion tokens, as OpenAI and vLLM bill it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from hotpool.worker.detokenizer import IncrementalDetokenizer
+from hotpool.worker.engine.base import EngineRequest, RequestOutput, SampledToken
+from hotpool.worker.protocol import (
+    GenerateEvent,
+    PositionLogprobs,
+    SamplingParams,
+    TokenLogprob,
+    Usage,
+)
+from hotpool.worker.tokenizer import TextTokenizer
+
+MIN_LOGPROB = -9999.0  # what OpenAI reports for a token the model rules out; JSON has no -inf
+
+
+def engine_requests(
+    request_id: str,
+    prompt_token_ids: tuple[int, ...],
+    params: SamplingParams,
+    eos_token_ids: frozenset[int],
+) -> list[EngineRequest]:
+    """One engine request per choice; a single choice keeps the request's own id."""
+    if params.n == 1:
+        return [EngineRequest(request_id, prompt_token_ids, params, eos_token_ids)]
+    return [
+        EngineRequest(
+            f"{request_id}#{i}",
+            prompt_token_ids,
+            replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+            eos_token_ids,
+        )
+        for i in range(params.n)
+    ]
+
+
+@dataclass
+class _Choice:
+    index: int
+    detok: IncrementalDetokenizer
+    num_tokens: int = 0
+    num_cached: int | None = None  # prompt tokens this sequence found in the prefix cache
+    done: bool = False
+
+
+class Choices:
+    """The state of a request's choices; :meth:`event` turns each engine output into the
+    event to send (or ``None``), and :attr:`done` says when every choice has finished."""
+
+    def __init__(
+        self, tokenizer: TextTokenizer, requests: Sequence[EngineRequest], stop: Sequence[str]
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.num_prompt = len(requests[0].prompt_token_ids)
+        self.want_logprobs = requests[0].params.logprobs is not None
+        self._by_id = {
+            r.request_id: _Choice(i, IncrementalDetokenizer(tokenizer, stop))
+            for i, r in enumerate(requests)
+        }
+
+    @property
+    def done(self) -> bool:
+        return all(c.done for c in self._by_id.values())
+
+    def usage(self) -> Usage:
+        # The other choices hit the blocks the first one computes: the prompt's own cache
+        # hit is the smallest of theirs.
+        cached = [c.num_cached for c in self._by_id.values() if c.num_cached is not None]
+        return Usage(
+            self.num_prompt,
+            sum(c.num_tokens for c in self._by_id.values()),
+            min(cached, default=0),
+        )
+
+    def event(self, out: RequestOutput) -> GenerateEvent | None:
+        """The event for one output; a finish event ends its choice (by a stop string even
+        while its engine sequence still runs: the caller aborts that one)."""
+        c = self._by_id[out.request_id]
+        if c.done:
+            return None  # ended by a stop string; what its sequence did since is not sent
+        if c.num_cached is None and out.finish_reason != "abort":
+            c.num_cached = out.num_cached_tokens
+        if out.finish_reason == "error":
+            c.done = True
+            return GenerateEvent(
+                c.detok.flush(), (), "error", self.usage(), out.error, index=c.index
+            )
+        c.num_tokens += len(out.new_token_ids)
+        text = c.detok.push(out.new_token_ids)
+        reason = "stop" if c.detok.stopped else out.finish_reason
+        logprobs = self._logprobs(out.logprobs) if self.want_logprobs else ()
+        if reason is not None:
+            c.done = True
+            text += c.detok.flush()
+            return GenerateEvent(
+                text, out.new_token_ids, reason, self.usage(), index=c.index, logprobs=logprobs
+            )
+        if not (text or out.new_token_ids):
+            return None
+        # Running usage on every event: whoever cuts the stream knows what it cost.
+        return GenerateEvent(
+            text, out.new_token_ids, usage=self.usage(), index=c.index, logprobs=logprobs
+        )
+
+    def _logprobs(self, sampled: Sequence[SampledToken]) -> tuple[PositionLogprobs, ...]:
+        return tuple(
+            PositionLogprobs(
+                self._token(s.token_id, s.logprob),
+                tuple(self._token(t, lp) for t, lp in s.top_logprobs),
+            )
+            for s in sampled
+        )
+
+    def _token(self, token_id: int, logprob: float) -> TokenLogprob:
+        text, utf8 = self.tokenizer.token_piece(token_id)
+        value = logprob if math.isfinite(logprob) else MIN_LOGPROB
+        return TokenLogprob(token_id, text, max(value, MIN_LOGPROB), utf8)
