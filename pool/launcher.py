@@ -75,7 +75,9 @@ class WorkerLauncher:
                 raise ColdStartFailed(f"worker did not register within {self.start_timeout_s:.0f}s")
 
     async def load(self, worker: WorkerInfo, spec: DeploymentSpec) -> LoadResult:
-        body = LoadRequest(spec.name, spec.snapshot_uri, spec.dtype).to_json()
+        body = LoadRequest(
+            spec.name, spec.snapshot_uri, spec.dtype, spec.max_model_len, spec.kv_cache_bytes
+        ).to_json()
         r = await self.client.post(
             f"{worker.address}/load", json=body, timeout=self.start_timeout_s
         )

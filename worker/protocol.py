@@ -187,6 +187,8 @@ class LoadRequest:
     deployment: str
     snapshot_uri: str
     dtype: str | None = None  # None: the snapshot's own dtype
+    max_model_len: int | None = None  # None: the worker's setting (default: the model's)
+    kv_cache_bytes: int | None = None  # None: the worker's HOTPOOL_KV_CACHE_BYTES
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

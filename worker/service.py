@@ -110,7 +110,12 @@ class WorkerService:
                 phases = {"fetch": t1 - t0, "load": time.perf_counter() - t1}
             t2 = time.perf_counter()
             # The salt keeps prefix-cache hits within one deployment's snapshot.
-            config = replace(self.engine_config, prefix_cache_salt=manifest.digest.encode())
+            config = replace(
+                self.engine_config,
+                prefix_cache_salt=manifest.digest.encode(),
+                max_model_len=req.max_model_len or self.engine_config.max_model_len,
+                kv_cache_bytes=req.kv_cache_bytes or self.engine_config.kv_cache_bytes,
+            )
             engine = LLMEngine(model, self.device, config)
             _warm_up(engine)
             phases["warmup"] = time.perf_counter() - t2

@@ -65,3 +65,31 @@ def test_a_failed_load_leaves_nothing_pinned(tmp_path: Path, smollm2_snapshot_bf
     assert service.loaded is None
     (entry,) = cache.entries()  # fetched and verified, then refused by the loader
     assert not cache.is_pinned(entry.digest)
+
+
+def test_a_deployments_engine_options_reach_its_engine(
+    tmp_path: Path, smollm2_snapshot_bf16: Path
+) -> None:
+    service = WorkerService(
+        SnapshotCache(tmp_path / "cache"),
+        torch.device("cpu"),
+        EngineConfig(kv_cache_bytes=32 << 20),
+        HostModelCache(0),
+    )
+    req = LoadRequest(
+        "d", f"file://{smollm2_snapshot_bf16}", max_model_len=24, kv_cache_bytes=8 << 20
+    )
+
+    async def scenario() -> None:
+        await service.load(req)
+        assert service.loaded is not None
+        kv = service.loaded.engine.engine.kv_cache
+        per_block = kv.bytes_per_block(30, 16, 3, 64, torch.bfloat16)
+        assert kv.num_blocks == (8 << 20) // per_block  # the deployment's budget, not 32m
+        long = GenerateRequest("t", SamplingParams(max_tokens=4), prompt="word " * 40)
+        with pytest.raises(Exception, match="maximum context length is 24"):
+            [e async for e in service.generate(long)]
+        assert await _answer(service)  # a prompt that fits still runs
+        await service.unload()
+
+    asyncio.run(scenario())
