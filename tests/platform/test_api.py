@@ -119,6 +119,26 @@ def test_invalid_and_empty_json_bodies_are_400(client: TestClient, path: str) ->
     err = error_of(client.post(path, content=b"\xff\xfe"), 400)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/deployments", "/v1/keys"])
+def test_a_body_over_the_limit_is_413(client: TestClient, path: str) -> None:
+    err = error_of(client.post(path, content=b"{" + b" " * (8 * 1024 * 1024)), 413)
+    assert "larger than" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"max_tokens": -1}, "max_tokens"), ({"max_tokens": "ten"}, "max_tokens"),
+     ({"temperature": 3}, "temperature"), ({"messages": "hi"}, "messages"),
+     ({"model": 7}, "model"), ({"stream": "yes"}, "stream")],
+)  # fmt: skip
+def test_wrong_types_and_ranges_are_400_naming_the_param(
+    client: TestClient, body: dict[str, Any], param: str
+) -> None:
+    full = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
+    err = error_of(client.post("/v1/chat/completions", json=full), 400)
+    assert err["param"] == param
+
+
 def test_validation_errors_reach_the_client_with_their_param(client: TestClient) -> None:
     err = error_of(client.post("/v1/chat/completions", json={"model": "m", "messages": []}), 400)
     assert err["param"] == "messages"
