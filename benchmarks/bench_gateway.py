@@ -1,7 +1,7 @@
 """Latency the control plane adds: the same requests straight to a worker and through it.
 
 A real ``hotpool serve`` (control plane + one local worker process on the CPU) serves a tiny
-random-weight Llama (2 layers, hidden 64, a ~200-token vocabulary, built on the fly and
+random-weight Llama (2 layers, hidden 64, a ~300-token vocabulary, built on the fly and
 pushed with ``hotpool snapshot push``), so the worker's compute is small and the control
 plane's share shows. One replica is loaded and ready before anything is timed. The same
 requests, with ``--max-tokens`` output tokens (greedy, EOS ignored), go two ways in one run:
@@ -28,7 +28,13 @@ also checks that the key is really required (a request without one must get a 40
 Stages: the ledger keeps the control plane's own TTFT and total per request (from the start
 of the invoker to the first token from the worker, and to the end), so the added time
 splits into what happens before and after the invoker (HTTP parsing, middleware, auth,
-JSON, SSE) and what happens inside it (the replica lease, the relay).
+JSON, SSE) and what happens inside it (the replica lease, the relay). The share of streams
+that arrived in one burst (every token within 1 ms) shows a stream held up on the way and
+flushed at once (Nagle's algorithm against a delayed ACK looks like this: ~40 ms stalls).
+
+The client, the control plane and the worker share the machine's cores; on a small box the
+control plane's CPU time competes with the worker's at concurrency 32, and other work on
+the machine skews everything (the 1-minute load average is printed before and after).
 
 The run exits nonzero only if a request failed; PASS/FAIL per row is information.
 
@@ -662,7 +668,7 @@ def report(phases: list[dict[str, Any]], args: argparse.Namespace) -> None:
             print(
                 f"key auth, c={c}: gateway TTFT p50 {fmt(b['ttft_p50_ms'] - a['ttft_p50_ms'])} "
                 f"ms, total p50 {fmt(b['total_p50_ms'] - a['total_p50_ms'])} ms vs no auth "
-                f"(different servers: noise of a few tenths of a ms)"
+                f"(two servers, so machine noise shows here too)"
             )
     for p in phases:
         probe = p["auth_probe"]

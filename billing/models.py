@@ -1,4 +1,5 @@
-"""SQLAlchemy models of the ledger: tenants, API keys, deployments, usage and scale events.
+"""SQLAlchemy models of the ledger: tenants, API keys, deployments, prices, usage and scale
+events.
 
 The Alembic migrations in ``hotpool.migrations.versions`` are written by hand and must agree
 with these models; ``tests/billing/test_migrations.py`` checks that they do. Constraint names
@@ -23,6 +24,8 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
+    UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -147,18 +150,72 @@ class Deployment(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
 
 
+class Price(Base):
+    """What a deployment's tokens cost from ``effective_from`` on, until the next price.
+
+    Amounts are integer micro-units of ``currency`` per million tokens ($0.15 per 1M input
+    tokens is ``input = 150000``); ``cached_input`` is the price of prompt tokens served from
+    the prefix cache, ``input`` that of the rest. ``deployment`` NULL is the default price of
+    every deployment without one of its own. Rows are never changed: a new price is a new
+    row, so the price any past event was billed at stays readable.
+    """
+
+    __tablename__ = "prices"
+    __table_args__ = (
+        CheckConstraint("input >= 0", name="input_nonnegative"),
+        CheckConstraint("cached_input >= 0", name="cached_input_nonnegative"),
+        CheckConstraint("output >= 0", name="output_nonnegative"),
+        CheckConstraint("length(currency) = 3 AND upper(currency) = currency", name="currency_iso"),
+        UniqueConstraint("deployment", "effective_from"),
+        # NULLs are distinct in a unique constraint, so the default prices need their own.
+        Index(
+            "uq_prices_default_effective_from",
+            "effective_from",
+            unique=True,
+            sqlite_where=text("deployment IS NULL"),
+            postgresql_where=text("deployment IS NULL"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    deployment: Mapped[str | None] = mapped_column(String(128))
+    currency: Mapped[str] = mapped_column(String(3))
+    input: Mapped[int] = mapped_column(BigInteger)
+    cached_input: Mapped[int] = mapped_column(BigInteger)
+    output: Mapped[int] = mapped_column(BigInteger)
+    effective_from: Mapped[datetime] = mapped_column(UTCDateTime())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
 class UsageEvent(Base):
-    """One request's billable usage. Append-only; ``request_id`` makes a replay a no-op."""
+    """One request's billable usage. Append-only; ``request_id`` makes a replay a no-op.
+
+    ``cost_micros`` is computed at ingest with the price in force at ``created_at`` (NULL:
+    no price was). A correction is a row of its own whose ``corrects_id`` is the id of the
+    event it corrects and whose counts and cost are deltas, so they alone may be negative:
+    sums over the rows of a request give its corrected usage.
+    """
 
     __tablename__ = "usage_events"
     __table_args__ = (
         CheckConstraint(
             "status IN ('completed', 'partial', 'error', 'cancelled')", name="status_valid"
         ),
-        CheckConstraint("prompt_tokens >= 0", name="prompt_tokens_nonnegative"),
-        CheckConstraint("cached_tokens >= 0", name="cached_tokens_nonnegative"),
-        CheckConstraint("completion_tokens >= 0", name="completion_tokens_nonnegative"),
-        CheckConstraint("cached_tokens <= prompt_tokens", name="cached_le_prompt"),
+        CheckConstraint(
+            "corrects_id IS NOT NULL OR prompt_tokens >= 0", name="prompt_tokens_nonnegative"
+        ),
+        CheckConstraint(
+            "corrects_id IS NOT NULL OR cached_tokens >= 0", name="cached_tokens_nonnegative"
+        ),
+        CheckConstraint(
+            "corrects_id IS NOT NULL OR completion_tokens >= 0",
+            name="completion_tokens_nonnegative",
+        ),
+        CheckConstraint(
+            "corrects_id IS NOT NULL OR cached_tokens <= prompt_tokens", name="cached_le_prompt"
+        ),
+        CheckConstraint("corrects_id IS NOT NULL OR cost_micros >= 0", name="cost_nonnegative"),
+        CheckConstraint("(cost_micros IS NULL) = (currency IS NULL)", name="cost_has_currency"),
         # Usage queries filter by deployment and time range.
         Index(None, "deployment", "created_at"),
     )
@@ -184,6 +241,13 @@ class UsageEvent(Base):
     # not the ledger's key: that is the server-minted ``request_id``.
     client_request_id: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    # Integer micro-units of ``currency``; NULL (both) when no price was in force.
+    cost_micros: Mapped[int | None] = mapped_column(BigInteger)
+    currency: Mapped[str | None] = mapped_column(String(3))
+    # The event a correction row corrects (an id of this table; no foreign key, as the
+    # ledger is append-only), and why it was corrected.
+    corrects_id: Mapped[int | None] = mapped_column(BigInteger, index=True)
+    reason: Mapped[str | None] = mapped_column(Text)
 
 
 class ScaleEvent(Base):

@@ -1,25 +1,30 @@
-"""Usage queries over the ledger: token sums per time bucket and deployment.
+"""Usage queries over the ledger: token and cost sums per time bucket, deployment and key.
 
 Bucketing happens in SQL: a small construct truncates ``created_at`` to the bucket's UTC
 boundary, spelled ``date_trunc`` on PostgreSQL and ``strftime`` on SQLite (which stores
 naive UTC text), and the database groups and sums. Only the truncation differs between
 dialects; the rest of the query is shared.
+
+Correction rows (deltas) are summed with the events they correct, so sums are the corrected
+usage; they are not requests, so request counts leave them out. Costs are summed as
+integers in SQL: exact, whatever the number of events.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar, Literal
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, case, func, select
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.sql.visitors import InternalTraversal
 
 from hotpool.billing.db import Database
-from hotpool.billing.models import UsageEvent, UTCDateTime
+from hotpool.billing.models import ApiKey, UsageEvent, UTCDateTime
 
 BucketWidth = Literal["1m", "1h", "1d"]
 BUCKET_WIDTHS: dict[str, timedelta] = {
@@ -27,8 +32,8 @@ BUCKET_WIDTHS: dict[str, timedelta] = {
     "1h": timedelta(hours=1),
     "1d": timedelta(days=1),
 }
-# The ``deployment`` of rows summed over every deployment (group_by_deployment=False).
-ALL_DEPLOYMENTS = "*"
+# What usage can be grouped by, besides the time bucket.
+GROUPS = ("deployment", "api_key")
 
 _PG_UNITS = {"1m": "minute", "1h": "hour", "1d": "day"}
 # Same text layout as SQLAlchemy's SQLite DATETIME, so the result type can parse it.
@@ -37,15 +42,25 @@ _SQLITE_FORMATS = {"1m": "%Y-%m-%d %H:%M:00", "1h": "%Y-%m-%d %H:00:00", "1d": "
 
 @dataclass(frozen=True)
 class UsageBucketRow:
-    """Token sums of the requests in [start, end) of one deployment (or ALL_DEPLOYMENTS)."""
+    """Sums over the events in [start, end) of one group.
+
+    ``deployment`` is None unless grouped by deployment; ``api_key_id`` and ``api_key`` (the
+    key's prefix) are None unless grouped by API key, and also for requests made without one.
+    ``cost_micros`` sums the costs in integer micro-units of ``currency``; both are None when
+    no event of the group had a price in force.
+    """
 
     start: datetime
     end: datetime
-    deployment: str
+    deployment: str | None
     requests: int
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    api_key_id: int | None = None
+    api_key: str | None = None
+    cost_micros: int | None = None
+    currency: str | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -112,77 +127,98 @@ def usage_buckets(
     start: datetime,
     end: datetime,
     bucket_width: BucketWidth = "1d",
-    deployment: str | None = None,
-    group_by_deployment: bool = True,
+    *,
+    deployments: Collection[str] | None = None,
+    group_by: Collection[str] = ("deployment",),
     tenant_id: int | None = None,
 ) -> list[UsageBucketRow]:
-    """Token sums of the events with ``start <= created_at < end``, per UTC-aligned bucket.
+    """Token and cost sums of the events with ``start <= created_at < end``, per UTC-aligned
+    bucket and group.
 
-    Only non-empty buckets are returned (see :func:`bucket_starts` to fill the gaps), ordered
-    by bucket start, then deployment name. A bucket's ``start`` is its UTC boundary, which may
-    fall before ``start`` when ``start`` is not aligned; its sums still only count events in
-    [start, end). With ``group_by_deployment=False`` each bucket is one row whose
-    ``deployment`` is ``deployment`` if given, else :data:`ALL_DEPLOYMENTS`. ``tenant_id``
-    keeps only that tenant's events (None: every tenant's).
+    ``group_by`` holds any of :data:`GROUPS` (none: one row per bucket). Only non-empty
+    buckets are returned (see :func:`bucket_starts` to fill the gaps), ordered by bucket
+    start, then deployment, then key prefix. A bucket's ``start`` is its UTC boundary, which
+    may fall before ``start`` when ``start`` is not aligned; its sums still only count events
+    in [start, end). ``deployments`` keeps only those deployments' events and ``tenant_id``
+    only that tenant's (None: all).
     """
     _check_range(start, end, bucket_width)
+    unknown = sorted(set(group_by) - set(GROUPS))
+    if unknown:
+        raise ValueError(f"cannot group by {unknown[0]!r}; groups are {', '.join(GROUPS)}")
     bucket = _utc_bucket(UsageEvent.created_at, bucket_width).label("bucket")
-    columns: list[Any] = [
-        bucket,
-        func.count(UsageEvent.id),
-        func.coalesce(func.sum(UsageEvent.prompt_tokens), 0),
-        func.coalesce(func.sum(UsageEvent.cached_tokens), 0),
-        func.coalesce(func.sum(UsageEvent.completion_tokens), 0),
-    ]
-    group_by: list[Any] = [bucket]
-    if group_by_deployment:
-        columns.append(UsageEvent.deployment)
-        group_by.append(UsageEvent.deployment)
+    groups: dict[str, Any] = {"bucket": bucket}
+    if "deployment" in group_by:
+        groups["deployment"] = UsageEvent.deployment
+    if "api_key" in group_by:
+        groups["api_key_id"] = UsageEvent.api_key_id
+        groups["api_key"] = ApiKey.prefix
     stmt = (
-        select(*columns)
+        select(*(col.label(name) for name, col in groups.items()), *_sums())
         .where(UsageEvent.created_at >= start, UsageEvent.created_at < end)
-        .group_by(*group_by)
-        .order_by(*group_by)
+        .group_by(*groups.values())
     )
-    if deployment is not None:
-        stmt = stmt.where(UsageEvent.deployment == deployment)
+    if "api_key" in group_by:
+        stmt = stmt.outerjoin(ApiKey, ApiKey.id == UsageEvent.api_key_id)
+    if deployments is not None:
+        stmt = stmt.where(UsageEvent.deployment.in_(list(deployments)))
     if tenant_id is not None:
         stmt = stmt.where(UsageEvent.tenant_id == tenant_id)
     width = BUCKET_WIDTHS[bucket_width]
-    fixed_name = deployment if deployment is not None else ALL_DEPLOYMENTS
     with db.engine.connect() as conn:
-        return [
+        rows = [
             UsageBucketRow(
-                start=row[0],
-                end=row[0] + width,
-                deployment=row[5] if group_by_deployment else fixed_name,
-                requests=int(row[1]),
-                prompt_tokens=int(row[2]),
-                cached_tokens=int(row[3]),
-                completion_tokens=int(row[4]),
+                start=row.bucket,
+                end=row.bucket + width,
+                deployment=row.deployment if "deployment" in groups else None,
+                api_key_id=row.api_key_id if "api_key" in groups else None,
+                api_key=row.api_key if "api_key" in groups else None,
+                **_sums_of(row),
             )
             for row in conn.execute(stmt)
         ]
-
-
-def totals(db: Database, deployment: str | None = None) -> dict[str, int]:
-    """All-time sums: requests, prompt, cached, completion and total tokens."""
-    stmt = select(
-        func.count(UsageEvent.id),
-        func.coalesce(func.sum(UsageEvent.prompt_tokens), 0),
-        func.coalesce(func.sum(UsageEvent.cached_tokens), 0),
-        func.coalesce(func.sum(UsageEvent.completion_tokens), 0),
+    # Sorted here: SQLite and PostgreSQL put NULLs (no key) at opposite ends.
+    return sorted(
+        rows, key=lambda r: (r.start, r.deployment or "", r.api_key or "", r.api_key_id or 0)
     )
+
+
+def totals(db: Database, deployment: str | None = None) -> dict[str, Any]:
+    """All-time sums: requests, prompt, cached, completion and total tokens, and cost (in
+    micro-units of ``currency``; both None when nothing was priced)."""
+    stmt = select(*_sums())
     if deployment is not None:
         stmt = stmt.where(UsageEvent.deployment == deployment)
     with db.engine.connect() as conn:
-        requests, prompt, cached, completion = conn.execute(stmt).one()
+        sums = _sums_of(conn.execute(stmt).one())
+    return {**sums, "total_tokens": sums["prompt_tokens"] + sums["completion_tokens"]}
+
+
+def _sums() -> list[Any]:
+    return [
+        # Corrections adjust a request's counts; they are not requests themselves.
+        func.count(case((UsageEvent.corrects_id.is_(None), 1))).label("requests"),
+        func.coalesce(func.sum(UsageEvent.prompt_tokens), 0).label("prompt_tokens"),
+        func.coalesce(func.sum(UsageEvent.cached_tokens), 0).label("cached_tokens"),
+        func.coalesce(func.sum(UsageEvent.completion_tokens), 0).label("completion_tokens"),
+        func.sum(UsageEvent.cost_micros).label("cost_micros"),
+        func.min(UsageEvent.currency).label("currency"),
+        func.max(UsageEvent.currency).label("max_currency"),
+    ]
+
+
+def _sums_of(row: Any) -> dict[str, Any]:
+    if row.currency != row.max_currency:
+        # PriceStore keeps the ledger to one currency; a sum across two would be wrong.
+        raise ValueError(f"usage mixes currencies {row.currency} and {row.max_currency}")
     return {
-        "requests": int(requests),
-        "prompt_tokens": int(prompt),
-        "cached_tokens": int(cached),
-        "completion_tokens": int(completion),
-        "total_tokens": int(prompt) + int(completion),
+        "requests": int(row.requests),
+        "prompt_tokens": int(row.prompt_tokens),
+        "cached_tokens": int(row.cached_tokens),
+        "completion_tokens": int(row.completion_tokens),
+        # PostgreSQL sums a BIGINT into a NUMERIC (a Decimal here): exact, made an int.
+        "cost_micros": None if row.cost_micros is None else int(row.cost_micros),
+        "currency": row.currency,
     }
 
 

@@ -15,6 +15,7 @@ from hotpool import __version__
 from hotpool.cli_common import settings_or_exit as _settings
 from hotpool.cli_common import snapshot_uri as _snapshot_uri
 from hotpool.cli_keys import keys, tenants
+from hotpool.cli_prices import prices
 from hotpool.cli_snapshot import models, snapshot
 from hotpool.logs import configure as configure_logs
 
@@ -230,11 +231,25 @@ def invoke(
 @click.option(
     "--limit", type=int, help="Number of buckets (default 7 days, 24 hours or 60 minutes)."
 )
+@click.option(
+    "--group-by",
+    "group_by",
+    type=click.Choice(["deployment", "api_key"]),
+    multiple=True,
+    help="Split each bucket by deployment and/or API key (repeatable; default deployment).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON of GET /v1/usage.")
 @click.option("--url", help="hotpool API (default http://127.0.0.1:$HOTPOOL_PORT).")
-def usage(bucket_width: str, limit: int | None, as_json: bool, url: str | None) -> None:
-    """Token usage per deployment over time."""
-    params: dict[str, Any] = {"bucket_width": bucket_width, "group_by": "model"}
+def usage(
+    bucket_width: str,
+    limit: int | None,
+    group_by: tuple[str, ...],
+    as_json: bool,
+    url: str | None,
+) -> None:
+    """Token usage per deployment over time, with its cost."""
+    groups = list(dict.fromkeys(group_by or ("deployment",)))
+    params: dict[str, Any] = {"bucket_width": bucket_width, "group_by": ",".join(groups)}
     if limit:
         params["limit"] = limit
     out = _call("GET", f"{_api_url(url)}/v1/usage", params=params)
@@ -242,17 +257,38 @@ def usage(bucket_width: str, limit: int | None, as_json: bool, url: str | None) 
         click.echo(json.dumps(out, indent=2))
         return
     fmt = "%Y-%m-%d %H:%M" if bucket_width != "1d" else "%Y-%m-%d"
-    click.echo(
-        f"{'bucket':<17} {'deployment':<20} {'requests':>8} "
-        f"{'input':>10} {'cached':>8} {'output':>10}"
-    )
+    header = ["BUCKET (UTC)"]
+    header += [{"deployment": "DEPLOYMENT", "api_key": "API KEY"}[g] for g in groups]
+    header += ["REQUESTS", "INPUT", "CACHED", "OUTPUT", "COST"]
+    rows = []
     for bucket in out["data"]:
         when = time.strftime(fmt, time.gmtime(bucket["start_time"]))
         for r in bucket["results"]:
-            click.echo(
-                f"{when:<17} {r['model']:<20} {r['num_model_requests']:>8} {r['input_tokens']:>10} "
-                f"{r['input_cached_tokens']:>8} {r['output_tokens']:>10}"
+            keys = [r["model"] if g == "deployment" else r["api_key_id"] for g in groups]
+            cost = r.get("cost")
+            rows.append(
+                [
+                    when,
+                    *(k if k is not None else "-" for k in keys),
+                    *(str(r[f]) for f in _USAGE_COUNTS),
+                    f"{cost['value']} {cost['currency']}" if cost else "-",
+                ]
             )
+    _print_table(header, rows, numeric_from=1 + len(groups))
+
+
+_USAGE_COUNTS = ("num_model_requests", "input_tokens", "input_cached_tokens", "output_tokens")
+
+
+def _print_table(header: list[str], rows: list[list[str]], numeric_from: int) -> None:
+    """Columns as wide as their widest cell; numbers (from ``numeric_from`` on) right-aligned."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        cells = [
+            cell.rjust(w) if i >= numeric_from else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        click.echo("  ".join(cells).rstrip())
 
 
 @main.group()
@@ -284,3 +320,4 @@ main.add_command(models)
 main.add_command(snapshot)
 main.add_command(tenants)
 main.add_command(keys)
+main.add_command(prices)

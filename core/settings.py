@@ -60,6 +60,8 @@ class Settings:
     snapshot_cache_bytes: int = 20 << 30  # per worker cache dir; LRU eviction above it
     host_cache_bytes: int = 4 << 30  # per worker: unloaded models kept in RAM (0 = off)
     s3_endpoint_url: str | None = None  # None: AWS S3 itself (MinIO, R2: their URL)
+    spool_dir: Path | None = None  # usage spool + in-flight journal; None: <home>/spool
+    inflight_every_tokens: int = 16  # journal a running request's tokens at most this often
     worker_token: str | None = field(default=None, repr=False)
 
     @property
@@ -68,6 +70,11 @@ class Settings:
         if self.auth == "auto":
             return self.host not in LOOPBACK_HOSTS
         return self.auth == "keys"
+
+    @property
+    def ledger_spool_dir(self) -> Path:
+        """Where usage the database could not take, and the in-flight journal, are kept."""
+        return self.spool_dir or self.home / "spool"
 
     @property
     def snapshots_dir(self) -> Path:
@@ -213,5 +220,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         snapshot_cache_bytes=_parse(env, "HOTPOOL_SNAPSHOT_CACHE_BYTES", 20 << 30, _byte_size),
         host_cache_bytes=_parse(env, "HOTPOOL_HOST_CACHE_BYTES", 4 << 30, _byte_size),
         s3_endpoint_url=s3_endpoint_url(env),
+        spool_dir=_parse(env, "HOTPOOL_SPOOL_DIR", home / "spool", Path).expanduser().resolve(),
+        inflight_every_tokens=_parse(env, "HOTPOOL_INFLIGHT_EVERY_TOKENS", 16, _positive_int),
         worker_token=env.get("HOTPOOL_WORKER_TOKEN") or None,
     )

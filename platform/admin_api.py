@@ -83,8 +83,8 @@ async def create_key(request: Request) -> Response:
         raise invalid("`tenant` must be a tenant's name", "tenant")
     if not isinstance(scopes, list) or not all(isinstance(s, str) for s in scopes):
         raise invalid("`scopes` must be a list of deploy, invoke, usage, admin", "scopes")
-    if name is not None and (not isinstance(name, str) or len(name) > 128):
-        raise invalid("`name` must be a string of at most 128 characters", "name")
+    if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= 128):
+        raise invalid("`name` must be a string of 1 to 128 characters", "name")
     try:
         parsed = parse_scopes(",".join(scopes))
     except ValueError as exc:

@@ -26,6 +26,7 @@ from hotpool.platform import (
     internal_api,
     invoke_api,
     openai_routes,
+    prices_api,
     usage_api,
 )
 from hotpool.platform.auth import Authenticator
@@ -35,6 +36,7 @@ from hotpool.platform.invoke import Invoker
 from hotpool.platform.ledger_writer import LedgerWriter
 from hotpool.platform.metrics import Metrics
 from hotpool.platform.middleware import RequestIdMiddleware
+from hotpool.platform.openapi import openapi_json
 from hotpool.platform.router import Router
 from hotpool.platform.scale_log import ScaleEventWriter
 from hotpool.platform.services import Services
@@ -71,7 +73,9 @@ def build_services(
     )
     router.on_demand = autoscaler.wake
     ledger = Ledger(db)
-    writer = LedgerWriter(ledger)
+    writer = LedgerWriter(
+        ledger, settings.ledger_spool_dir, every_tokens=settings.inflight_every_tokens
+    )
     scale_log = ScaleEventWriter(ScaleEventStore(db))
 
     def on_scale(event: ScaleEvent) -> None:
@@ -159,7 +163,8 @@ def create_app(services: Services) -> Starlette:
                 "tenant with every scope. Set HOTPOOL_AUTH=keys and create keys with "
                 "`hotpool keys create` before exposing this server."
             )
-        services.ledger_writer.start()
+        # First: bill what a previous process left in flight, and replay its spool.
+        await services.ledger_writer.start()
         services.scale_events.start()
         services.pool.start()  # fill the warm pool in the background
         scaler = asyncio.create_task(services.autoscaler.run(), name="autoscaler")
@@ -169,18 +174,22 @@ def create_app(services: Services) -> Starlette:
             scaler.cancel()
             await asyncio.gather(scaler, return_exceptions=True)
             await services.pool.shutdown()
-            await services.ledger_writer.close()  # nothing metered is lost on a clean stop
+            # After the pool, so every request has ended: each record goes to the database,
+            # or to the spool if it is down; nothing metered is lost on a clean stop.
+            await services.ledger_writer.close()
             await services.scale_events.close()
 
     routes = [
         Route("/healthz", healthz),
         Route("/readyz", readyz),
         Route("/metrics", metrics),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
         *openai_routes.routes,
         *deployments_api.routes,
         *invoke_api.routes,
         *usage_api.routes,
         *admin_api.routes,
+        *prices_api.routes,
         *internal_api.routes,
     ]
     app = Starlette(

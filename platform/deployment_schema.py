@@ -7,7 +7,6 @@ values and answer with the same 400 naming the field.
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable
 from dataclasses import replace
@@ -22,6 +21,10 @@ NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 DTYPES = ("bf16", "fp16", "fp32")
 MAX_IDLE_TIMEOUT_S = 7 * 86400
 MAX_QUEUE_TIMEOUT_S = 3600
+# What the SQL columns hold (INTEGER is 32 bits in PostgreSQL; kv_cache_bytes is a BIGINT):
+# a larger value must be a 400 here, not an overflow in the database.
+MAX_INT = (1 << 31) - 1
+MAX_BIGINT = (1 << 63) - 1
 
 
 def _snapshot_uri(value: Any) -> str:
@@ -35,12 +38,16 @@ def _snapshot_uri(value: Any) -> str:
     return value.rstrip("/")
 
 
-def _int(name: str, minimum: int, nullable: bool = False) -> Callable[[Any], int | None]:
+def _int(
+    name: str, minimum: int, nullable: bool = False, maximum: int = MAX_INT
+) -> Callable[[Any], int | None]:
     def parse(value: Any) -> int | None:
         if value is None and nullable:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise invalid(f"`{name}` must be an integer >= {minimum}", name)
+        if value > maximum:
+            raise invalid(f"`{name}` must be at most {maximum}", name)
         return value
 
     return parse
@@ -53,7 +60,7 @@ def _seconds(name: str, maximum: float, nullable: bool = False) -> Callable[[Any
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)
-            or not math.isfinite(value)
+            # NaN and inf fail this too; math.isfinite() would overflow on a huge int
             or not 0 < value <= maximum
         ):
             raise invalid(f"`{name}` must be a number of seconds in (0, {maximum:g}]", name)
@@ -79,7 +86,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "queue_timeout_s": _seconds("queue_timeout_s", MAX_QUEUE_TIMEOUT_S, nullable=True),
     "dtype": _dtype,
     "max_model_len": _int("max_model_len", 16, nullable=True),
-    "kv_cache_bytes": _int("kv_cache_bytes", 1 << 20, nullable=True),
+    "kv_cache_bytes": _int("kv_cache_bytes", 1 << 20, nullable=True, maximum=MAX_BIGINT),
 }
 
 
@@ -96,7 +103,7 @@ def parse_deployment(body: Any, default_idle_timeout_s: float) -> DeploymentSpec
     """A new deployment from a ``POST /v1/deployments`` body."""
     body = _object(body, {"name", *PARSERS})
     name = body.get("name")
-    if not isinstance(name, str) or not NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):  # match() takes "name\n"
         raise invalid(
             "`name` must be 1-63 characters of a-z, 0-9, '.', '_', '-', "
             "starting with a letter or digit",

@@ -23,6 +23,9 @@ from hotpool.platform.deployment_schema import parse_deployment, parse_update
 from hotpool.platform.errors import APIError, invalid
 from hotpool.platform.services import Services, read_json
 
+MAX_EVENTS_PAGE = 1000
+MAX_EVENT_ID = (1 << 63) - 1  # a BIGINT: a larger `before` would overflow in SQL
+
 
 def deployment_json(spec: DeploymentSpec, services: Services) -> dict[str, Any]:
     replicas = services.pool.replicas(spec.name)
@@ -59,6 +62,16 @@ def deployment_json(spec: DeploymentSpec, services: Services) -> dict[str, Any]:
     }
 
 
+def _within_pool(min_replicas: int, services: Services) -> None:
+    """The autoscaler starts ``min_replicas`` replicas at once: more than the pool's workers
+    could never run, and a huge floor would stall the control plane creating them."""
+    most = services.settings.max_workers
+    if min_replicas > most:
+        raise invalid(
+            f"`min_replicas` must be at most the pool's max_workers ({most})", "min_replicas"
+        )
+
+
 def _owned_or_404(services: Services, name: str, principal: Principal) -> DeploymentSpec:
     spec = owned(services.catalog.get(name), principal)
     if spec is None:
@@ -71,6 +84,7 @@ async def create_deployment(request: Request) -> Response:
     services: Services = request.app.state.services
     spec = parse_deployment(await read_json(request), services.settings.default_idle_timeout_s)
     spec = replace(spec, tenant_id=principal.tenant_id)
+    _within_pool(spec.min_replicas, services)
     try:
         created = await services.catalog.create(spec)
     except DeploymentExists:
@@ -100,6 +114,8 @@ async def update_deployment(request: Request) -> Response:
     services: Services = request.app.state.services
     current = _owned_or_404(services, request.path_params["name"], principal)
     changes = parse_update(await read_json(request), current)
+    if "min_replicas" in changes:
+        _within_pool(changes["min_replicas"], services)
     try:
         updated = await services.catalog.update(current.name, changes)
     except DeploymentNotFound:  # deleted meanwhile
@@ -129,8 +145,8 @@ async def list_scale_events(request: Request) -> Response:
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
     name = _owned_or_404(services, request.path_params["name"], principal).name
-    limit = _query_int(request, "limit", 100, 1, 1000)
-    before = _query_int(request, "before", None, 1, None)
+    limit = _query_int(request, "limit", 100, 1, MAX_EVENTS_PAGE)
+    before = _query_int(request, "before", None, 1, MAX_EVENT_ID)
     await services.scale_events.flush()  # what the pool just did is in the answer
     events = await asyncio.to_thread(services.scale_events.store.list, name, limit + 1, before)
     page = events[:limit]

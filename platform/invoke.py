@@ -20,6 +20,7 @@ import httpx
 from hotpool.billing.deployments import DeploymentSpec
 from hotpool.billing.ledger import UsageRecord
 from hotpool.platform.errors import APIError
+from hotpool.platform.inflight import OpenRequest
 from hotpool.platform.ledger_writer import LedgerWriter
 from hotpool.platform.metrics import Metrics
 from hotpool.platform.router import Lease, Router
@@ -81,8 +82,16 @@ class Invoker:
         stream with an error and the ledger keeps what was delivered as ``partial``."""
         tally = _Tally(n=call.params.n)
         request = GenerateRequest(request_id, call.params, call.prompt, call.messages)
+        caller = caller or Caller()
         failed: Lease | None = None
         attempt = 0
+        # Journalled until its record is safe: a crash from here on bills it as `partial`.
+        self.ledger.begin(
+            OpenRequest(
+                request_id, spec.name, call.endpoint, spec.tenant_id,
+                caller.api_key_id, caller.client_request_id,
+            )
+        )  # fmt: skip
         try:
             while True:
                 try:
@@ -124,7 +133,7 @@ class Invoker:
                 502, f"the replica serving {spec.name!r} failed: {exc!r}", type="api_error"
             ) from exc
         finally:
-            self._account(spec, call, request_id, tally, caller or Caller())
+            self._account(spec, call, request_id, tally, caller)
 
     async def _attempt(
         self, spec: DeploymentSpec, request: GenerateRequest, tally: _Tally, avoid: Lease | None
@@ -145,6 +154,11 @@ class Invoker:
             async with aclosing(self._stream(lease, request)) as stream:
                 async for event in stream:
                     _tally_event(tally, event)
+                    if (u := event.usage) is not None:
+                        rid = request.request_id
+                        self.ledger.progress(
+                            rid, u.prompt_tokens, u.completion_tokens, u.cached_tokens
+                        )
                     tally.delivered = True
                     yield event
 

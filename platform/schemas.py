@@ -8,6 +8,7 @@ with the native invoke API.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,6 +22,7 @@ ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4
 MAX_USER = 256  # characters of the `user` end-user id, as OpenAI allows
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' `logprobs`, as OpenAI allows
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1  # int64, as OpenAI; torch takes no wider seed
 
 _SAMPLING = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
@@ -147,7 +149,7 @@ def sampling_params(b: Body, max_tokens: int | None, logprobs: int | None) -> Sa
         presence_penalty=b.opt_number("presence_penalty", -2.0, 2.0, 0.0),
         frequency_penalty=b.opt_number("frequency_penalty", -2.0, 2.0, 0.0),
         repetition_penalty=b.opt_number("repetition_penalty", 0.0, 10.0, 1.0),
-        seed=b.opt_int("seed", None),
+        seed=_seed(b),
         stop=_stop(b.opt("stop", (str, list), None)),
         ignore_eos=bool(b.opt("ignore_eos", bool, False)),
         logprobs=logprobs,
@@ -159,6 +161,13 @@ def sampling_params(b: Body, max_tokens: int | None, logprobs: int | None) -> Sa
         param = str(exc).split("`")[1] if "`" in str(exc) else None
         raise invalid(str(exc), param) from None
     return params
+
+
+def _seed(b: Body) -> int | None:
+    seed = b.opt_int("seed", None)
+    if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
+        raise invalid("`seed` must be a 64-bit signed integer", "seed")
+    return seed
 
 
 def _stop(value: str | list[Any] | None) -> tuple[str, ...]:
@@ -230,7 +239,10 @@ class Body:
         return value
 
     def opt_number(self, name: str, lo: float, hi: float, default: float) -> float:
-        value = float(self.opt(name, (int, float), default))
+        try:
+            value = float(self.opt(name, (int, float), default))
+        except OverflowError:  # an integer too large for a float: out of range
+            value = math.inf
         if not lo <= value <= hi:
             raise invalid(f"`{name}` must be between {lo:g} and {hi:g}", name)
         return value

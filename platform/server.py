@@ -65,7 +65,9 @@ def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> Non
                 spec.snapshot_uri,
             )
     # Bind first, so the workers learn the real port even when HOTPOOL_PORT=0.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only for a
+    # socket made with it, and without it each streamed chunk can wait ~40 ms (Nagle).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((settings.host, settings.port))

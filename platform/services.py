@@ -57,5 +57,7 @@ async def read_json(request: Request) -> Any:
         raise APIError(400, "the request body is empty; expected a JSON object")
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    # ValueError also covers an integer of more than 4300 digits; RecursionError, nesting
+    # too deep for the parser. Both are the client's bad input, not a server error.
+    except (ValueError, RecursionError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None

@@ -1,5 +1,13 @@
-"""``GET /v1/usage``: token usage per time bucket, shaped like OpenAI's organization
-usage API (``/v1/organization/usage/completions``) so existing tooling reads it."""
+"""``GET /v1/usage``: token usage and cost per time bucket, shaped like OpenAI's organization
+usage API (``/v1/organization/usage/completions``) so existing tooling reads it.
+
+``group_by`` takes ``model`` or its alias ``deployment`` (a request's model is the
+deployment's name) and ``api_key`` (OpenAI's ``api_key_id``), several at once, repeated or
+comma-separated; ``models`` filters deployments. List parameters may also be spelled with
+brackets (``group_by[]=model``), as the ``openai`` client sends them. Each result carries
+``cost``, ``{"value": "0.000150", "currency": "USD"}``: the exact decimal of its integer
+micro-units (``cost_micros``), or null when none of its requests had a price in force.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from hotpool.billing.prices import format_micros
 from hotpool.billing.usage import BUCKET_WIDTHS, UsageBucketRow, floor_to_bucket, usage_buckets
 from hotpool.platform.auth import authorize
 from hotpool.platform.errors import invalid
@@ -18,7 +27,12 @@ from hotpool.platform.services import Services
 
 DEFAULT_LIMIT = {"1d": 7, "1h": 24, "1m": 60}
 MAX_LIMIT = {"1d": 31, "1h": 168, "1m": 1440}
-PARAMS = {"start_time", "end_time", "bucket_width", "group_by", "models", "limit", "page"}
+LIST_PARAMS = {"group_by", "models"}
+PARAMS = {"start_time", "end_time", "bucket_width", "limit", "page"} | LIST_PARAMS
+PARAMS |= {f"{name}[]" for name in LIST_PARAMS}
+# group_by value -> what billing groups by
+GROUPS = {"model": "deployment", "deployment": "deployment", "api_key": "api_key",
+          "api_key_id": "api_key"}  # fmt: skip
 # 9999-01-01: a page of buckets after any accepted time still fits in a datetime.
 MAX_TIMESTAMP = 253370764800
 
@@ -31,6 +45,12 @@ def _int_param(request: Request, name: str) -> int | None:
         return int(raw)
     except ValueError:
         raise invalid(f"`{name}` must be an integer", name) from None
+
+
+def _list_param(request: Request, name: str) -> list[str]:
+    """Every value of ``name`` (or ``name[]``), repeated or comma-separated."""
+    values = [*request.query_params.getlist(name), *request.query_params.getlist(f"{name}[]")]
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
 
 
 def _time_param(request: Request, name: str) -> datetime | None:
@@ -60,9 +80,14 @@ async def get_usage(request: Request) -> Response:
         raise invalid(
             f"`limit` must be between 1 and {MAX_LIMIT[width]} for bucket_width={width}", "limit"
         )
-    group_by = q.get("group_by")
-    if group_by not in (None, "model"):
-        raise invalid("`group_by` supports only `model`", "group_by")
+    group_by = _list_param(request, "group_by")
+    unsupported = [g for g in group_by if g not in GROUPS]
+    if unsupported:
+        raise invalid(
+            f"cannot group by `{unsupported[0]}`; `group_by` takes {', '.join(GROUPS)}",
+            "group_by",
+        )
+    groups = {GROUPS[g] for g in group_by}
     step = BUCKET_WIDTHS[width]
     end = _time_param(request, "end_time") or datetime.now(UTC)
     # `page` is the cursor a previous answer gave as `next_page`: the next bucket's start.
@@ -77,10 +102,19 @@ async def get_usage(request: Request) -> Response:
     total = -((first - end) // step)  # buckets that [start, end) touches
     starts = [first + i * step for i in range(min(limit, total))]
     page_end = min(end, starts[-1] + step)
-    model = q.get("models")
+    models = _list_param(request, "models") or None
+    if models and not all(m.isascii() and m.isprintable() for m in models):
+        raise invalid("`models` must be deployment names", "models")
     tenant = None if principal.is_admin else principal.tenant_id
     rows = await asyncio.to_thread(
-        usage_buckets, services.db, start, page_end, width, model, group_by == "model", tenant
+        usage_buckets,
+        services.db,
+        start,
+        page_end,
+        width,
+        deployments=models,
+        group_by=groups,
+        tenant_id=tenant,
     )
     by_start: dict[datetime, list[UsageBucketRow]] = {}
     for row in rows:
@@ -90,7 +124,7 @@ async def get_usage(request: Request) -> Response:
             "object": "bucket",
             "start_time": int(s.timestamp()),
             "end_time": int((s + step).timestamp()),
-            "results": [_result(r, group_by == "model") for r in by_start.get(s, [])],
+            "results": [_result(r) for r in by_start.get(s, [])],
         }
         for s in starts
     ]
@@ -99,18 +133,21 @@ async def get_usage(request: Request) -> Response:
     return JSONResponse({"object": "page", "data": data, "has_more": more, "next_page": next_page})
 
 
-def _result(row: UsageBucketRow, grouped: bool) -> dict[str, Any]:
+def _result(row: UsageBucketRow) -> dict[str, Any]:
+    cost = row.cost_micros
     return {
         "object": "organization.usage.completions.result",
         "input_tokens": row.prompt_tokens,
         "input_cached_tokens": row.cached_tokens,
         "output_tokens": row.completion_tokens,
         "num_model_requests": row.requests,
-        "model": row.deployment if grouped else None,
+        "model": row.deployment,
         "project_id": None,
         "user_id": None,
-        "api_key_id": None,
+        "api_key_id": row.api_key,
         "batch": None,
+        "cost": None if cost is None else {"value": format_micros(cost), "currency": row.currency},
+        "cost_micros": cost,
     }
 
 

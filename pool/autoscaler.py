@@ -99,7 +99,8 @@ class Autoscaler:
                 reason = f"min_replicas={spec.min_replicas}"
             else:
                 reason = f"load {load} > {len(live)} x target_concurrency {spec.target_concurrency}"
-            for _ in range(want - len(live)):
+            # More than max_workers at once could never get a slot: ask for what can run.
+            for _ in range(min(want - len(live), self.pool.max_workers)):
                 self.pool.scale_up(spec, reason=reason)
             return
         # Replicas still waiting for a worker are cheap to withdraw: no window for them.

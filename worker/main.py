@@ -69,7 +69,9 @@ async def _main(opts: WorkerOptions) -> None:
         HostModelCache(opts.host_cache_bytes),
     )
     app = build_worker_app(service, opts.token, opts.worker_id)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only for a
+    # socket made with it, and without it each streamed chunk can wait ~40 ms (Nagle).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((opts.host, opts.port))
     host, port = sock.getsockname()[:2]

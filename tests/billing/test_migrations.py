@@ -14,11 +14,11 @@ from sqlalchemy.exc import IntegrityError
 
 from hotpool.billing.db import Database, migrations_dir
 from hotpool.billing.deployments import DeploymentSpec, DeploymentStore
-from hotpool.billing.ledger import Ledger
+from hotpool.billing.ledger import Ledger, UsageRecord
 from hotpool.billing.models import Base, Tenant
 
-LEDGER_TABLES = {"tenants", "api_keys", "deployments", "usage_events", "scale_events"}
-HEAD = "0004"
+LEDGER_TABLES = {"tenants", "api_keys", "deployments", "usage_events", "scale_events", "prices"}
+HEAD = "0005"
 
 
 def _tables(db: Database) -> set[str]:
@@ -42,12 +42,13 @@ def test_upgrade_downgrade_upgrade_round_trip(empty_db: Database) -> None:
         assert session.scalars(select(Tenant.name)).all() == ["default"]
 
 
-def test_downgrade_to_0001_drops_only_scale_events_and_api_keys(db: Database) -> None:
+def test_downgrade_to_0001_drops_only_the_later_tables(db: Database) -> None:
+    later = {"scale_events", "api_keys", "prices"}
     db.downgrade("0001")
     assert db.current_revision() == "0001"
-    assert _tables(db) == (LEDGER_TABLES - {"scale_events", "api_keys"}) | {"alembic_version"}
+    assert _tables(db) == (LEDGER_TABLES - later) | {"alembic_version"}
     db.upgrade()
-    assert {"scale_events", "api_keys"} <= _tables(db)
+    assert later <= _tables(db)
 
 
 def test_upgrade_twice_is_a_no_op(db: Database) -> None:
@@ -82,6 +83,7 @@ def test_constraint_names_follow_the_convention(db: Database) -> None:
     # PostgreSQL also lists the unique constraint's own index; that one is not ours.
     indexes = insp.get_indexes("usage_events")
     assert {ix["name"] for ix in indexes if not ix.get("duplicates_constraint")} == {
+        "ix_usage_events_corrects_id",
         "ix_usage_events_created_at",
         "ix_usage_events_deployment_created_at",
         "ix_usage_events_tenant_id",
@@ -171,6 +173,65 @@ def test_migration_0004_up_and_down_keeps_deployments_and_usage(empty_db: Databa
     assert DeploymentStore(empty_db).get("old").generation == 1  # type: ignore[union-attr]
 
 
+COST_COLUMNS = {"cost_micros", "currency", "corrects_id", "reason"}
+
+
+def test_migration_0005_up_and_down_keeps_usage(empty_db: Database) -> None:
+    empty_db.upgrade("0004")
+    with empty_db.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO usage_events (request_id, tenant_id, deployment, endpoint, status,"
+            " prompt_tokens, cached_tokens, completion_tokens, cold_start, created_at,"
+            " api_key_id, client_request_id) VALUES ('req-old', 1, 'old', 'completions',"
+            " 'completed', 5, 2, 3, true, '2025-01-01 00:00:00', 4, 'c-1')"
+        )
+
+    empty_db.upgrade()
+    assert "prices" in _tables(empty_db)
+    assert _columns(empty_db, "usage_events") >= COST_COLUMNS
+    checks = {ck["name"] for ck in inspect(empty_db.engine).get_check_constraints("usage_events")}
+    assert {"ck_usage_events_cost_nonnegative", "ck_usage_events_cost_has_currency"} <= checks
+    # The rebuilt table (SQLite) kept every row, value and id; events recorded before have
+    # no cost: none was computed then.
+    [event] = Ledger(empty_db).events()
+    assert (event.id, event.request_id, event.prompt_tokens, event.cached_tokens) == (
+        1, "req-old", 5, 2
+    )  # fmt: skip
+    assert (event.api_key_id, event.client_request_id, event.cold_start) == (4, "c-1", True)
+    assert (event.cost_micros, event.currency, event.corrects_id) == (None, None, None)
+    # The next id continues after the kept one.
+    Ledger(empty_db).record(UsageRecord("req-new", "old", "completions", "completed", 1, 1))
+    assert sorted(e.id for e in Ledger(empty_db).events()) == [1, 2]
+
+    empty_db.downgrade("0004")
+    assert "prices" not in _tables(empty_db)
+    assert _columns(empty_db, "usage_events") & COST_COLUMNS == set()
+    checks = {ck["name"] for ck in inspect(empty_db.engine).get_check_constraints("usage_events")}
+    assert "ck_usage_events_cached_le_prompt" in checks
+    assert "ck_usage_events_cost_nonnegative" not in checks
+    with empty_db.engine.connect() as conn:
+        assert conn.exec_driver_sql(
+            "SELECT request_id, prompt_tokens FROM usage_events ORDER BY id"
+        ).all() == [("req-old", 5), ("req-new", 1)]
+    # 0004's checks hold again: a negative count is refused.
+    with pytest.raises(IntegrityError), empty_db.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "UPDATE usage_events SET prompt_tokens = -1 WHERE request_id = 'req-old'"
+        )
+    empty_db.upgrade()
+    assert empty_db.current_revision() == HEAD
+
+
+def test_downgrade_below_0005_refuses_to_drop_corrections(db: Database) -> None:
+    ledger = Ledger(db)
+    ledger.record(UsageRecord("req-1", "m", "completions", "completed", 5, 5))
+    ledger.correct("req-1", prompt_tokens=4, completion_tokens=5, reason="recount")
+    with pytest.raises(RuntimeError, match="usage_events holds 1 correction rows"):
+        db.downgrade("0004")
+    assert db.current_revision() == HEAD
+    assert len(ledger.events()) == 2
+
+
 @pytest.mark.parametrize(
     ("column", "value", "check"),
     [
@@ -211,6 +272,7 @@ def test_offline_mode_renders_sql(empty_db: Database) -> None:
     assert "CREATE TABLE usage_events" in sql
     assert "CREATE TABLE scale_events" in sql
     assert "CREATE TABLE api_keys" in sql
+    assert "CREATE TABLE prices" in sql
     assert "INSERT INTO tenants" in sql
     assert empty_db.current_revision() is None  # nothing ran
 
@@ -223,6 +285,7 @@ def test_migrations_ship_inside_the_package() -> None:
     assert (folder / "versions" / "0002_scale_events.py").is_file()
     assert (folder / "versions" / "0003_api_keys.py").is_file()
     assert (folder / "versions" / "0004_deployment_options.py").is_file()
+    assert (folder / "versions" / "0005_prices.py").is_file()
     script = ScriptDirectory(str(folder))
     assert script.get_heads() == [HEAD]
 

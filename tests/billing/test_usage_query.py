@@ -5,9 +5,11 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 from hotpool.billing.db import Database
+from hotpool.billing.keys import KeyStore
 from hotpool.billing.ledger import Ledger, UsageRecord
+from hotpool.billing.prices import PriceStore
+from hotpool.billing.tenants import TenantStore
 from hotpool.billing.usage import (
-    ALL_DEPLOYMENTS,
     UsageBucketRow,
     bucket_starts,
     totals,
@@ -50,7 +52,7 @@ def seeded(db: Database) -> Database:
     return db
 
 
-def _row(start: datetime, width: timedelta, dep: str, *sums: int) -> UsageBucketRow:
+def _row(start: datetime, width: timedelta, dep: str | None, *sums: int) -> UsageBucketRow:
     return UsageBucketRow(start, start + width, dep, *sums)
 
 
@@ -87,7 +89,7 @@ def test_minute_buckets(seeded: Database) -> None:
 def test_widths_in_turn_on_one_database_each_bucket_their_own_way(seeded: Database) -> None:
     # One engine caches compiled statements; the width must not be lost in that cache.
     starts = {
-        width: [r.start for r in usage_buckets(seeded, START, END, width, "b")]
+        width: [r.start for r in usage_buckets(seeded, START, END, width, deployments=["b"])]
         for width in ("1d", "1h", "1m", "1d")
     }
     assert starts == {
@@ -99,21 +101,25 @@ def test_widths_in_turn_on_one_database_each_bucket_their_own_way(seeded: Databa
 
 def test_ungrouped_buckets_sum_every_deployment(seeded: Database) -> None:
     day = timedelta(days=1)
-    assert usage_buckets(seeded, START, END, group_by_deployment=False) == [
-        _row(DAY1, day, ALL_DEPLOYMENTS, 2, 11, 2, 3),
-        _row(DAY2, day, ALL_DEPLOYMENTS, 4, 190, 55, 19),
+    assert usage_buckets(seeded, START, END, group_by=()) == [
+        _row(DAY1, day, None, 2, 11, 2, 3),
+        _row(DAY2, day, None, 4, 190, 55, 19),
     ]
 
 
 def test_deployment_filter(seeded: Database) -> None:
     day = timedelta(days=1)
-    assert usage_buckets(seeded, START, END, deployment="b") == [
+    assert usage_buckets(seeded, START, END, deployments=["b"]) == [
         _row(DAY2, day, "b", 1, 100, 50, 10)
     ]
-    assert usage_buckets(seeded, START, END, deployment="b", group_by_deployment=False) == [
-        _row(DAY2, day, "b", 1, 100, 50, 10)
+    assert usage_buckets(seeded, START, END, deployments=["b"], group_by=()) == [
+        _row(DAY2, day, None, 1, 100, 50, 10)
     ]
-    assert usage_buckets(seeded, START, END, deployment="nope") == []
+    assert usage_buckets(seeded, START, END, deployments=["b", "a"], group_by=()) == [
+        _row(DAY1, day, None, 2, 11, 2, 3),
+        _row(DAY2, day, None, 4, 190, 55, 19),
+    ]
+    assert usage_buckets(seeded, START, END, deployments=["nope"]) == []
 
 
 def test_unaligned_range_counts_only_events_inside_it(seeded: Database) -> None:
@@ -139,6 +145,8 @@ def test_bucket_sums_match_totals(seeded: Database) -> None:
         "cached_tokens": 50,
         "completion_tokens": 10,
         "total_tokens": 110,
+        "cost_micros": None,  # no price was set
+        "currency": None,
     }
 
 
@@ -167,3 +175,71 @@ def test_bucket_starts_cover_the_range() -> None:
 def test_bad_ranges_are_rejected(start: datetime, end: datetime, width: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         bucket_starts(start, end, width)  # type: ignore[arg-type]
+
+
+# --- grouping by API key, and cost ------------------------------------------------------------
+
+
+@pytest.fixture
+def keyed(db: Database) -> tuple[Database, str, str]:
+    """Events of two keys (one of another tenant) and one without a key, with a price."""
+    tenant = TenantStore(db).create("acme")
+    store = KeyStore(db)
+    own, _ = store.create(1, frozenset({"invoke"}))
+    other, _ = store.create(tenant.id, frozenset({"invoke"}))
+    PriceStore(db).set(None, 150_000, 75_000, 600_000, effective_from=START)  # $0.15/$0.60
+    PriceStore(db).set("b", 1_000_000, 1_000_000, 1_000_000, effective_from=START)
+
+    def rec(i: int, dep: str, key: int | None, tenant_id: int, prompt: int) -> UsageRecord:
+        return UsageRecord(
+            f"k-{i}", dep, "chat.completions", "completed", prompt, 10, api_key_id=key,
+            tenant_id=tenant_id, created_at=DAY1 + timedelta(hours=i),
+        )  # fmt: skip
+
+    Ledger(db).record_many(
+        [
+            rec(0, "a", own.id, 1, 1000),
+            rec(1, "a", own.id, 1, 3000),
+            rec(2, "b", own.id, 1, 100),
+            rec(3, "a", None, 1, 10),
+            rec(4, "a", other.id, tenant.id, 20_000),
+        ]
+    )
+    return db, own.prefix, other.prefix
+
+
+def test_group_by_api_key_names_keys_by_prefix(keyed: tuple[Database, str, str]) -> None:
+    db, own, other = keyed
+    rows = usage_buckets(db, START, END, group_by=("api_key",))
+    by_key = {r.api_key: (r.deployment, r.requests, r.prompt_tokens, r.cost_micros) for r in rows}
+    # 1000 * 0.15 + 10 * 0.60 = 156; 3000 -> 456; "b": 110 tokens at $1 per 1M -> 110.
+    assert by_key == {
+        own: (None, 3, 4100, 156 + 456 + 110),
+        other: (None, 1, 20_000, 3006),
+        None: (None, 1, 10, 8),  # 1.5 + 6 = 7.5 micro-units: to even, 8
+    }
+    assert {r.currency for r in rows} == {"USD"}
+
+
+def test_group_by_deployment_and_api_key(keyed: tuple[Database, str, str]) -> None:
+    db, own, _ = keyed
+    rows = usage_buckets(db, START, END, group_by=("deployment", "api_key"), tenant_id=1)
+    assert [(r.deployment, r.api_key, r.requests, r.cost_micros) for r in rows] == [
+        ("a", None, 1, 8),  # no key sorts first
+        ("a", own, 2, 612),
+        ("b", own, 1, 110),
+    ]
+    assert all(r.api_key_id is not None for r in rows if r.api_key is not None)
+
+
+def test_cost_sums_by_tenant_and_in_totals(keyed: tuple[Database, str, str]) -> None:
+    db, *_ = keyed
+    [mine] = usage_buckets(db, START, END, group_by=(), tenant_id=1)
+    assert (mine.requests, mine.cost_micros, mine.currency) == (4, 730, "USD")
+    [everyone] = usage_buckets(db, START, END, group_by=())
+    assert everyone.cost_micros == totals(db)["cost_micros"] == 730 + 3006
+
+
+def test_unknown_group_is_rejected(db: Database) -> None:
+    with pytest.raises(ValueError, match="cannot group by 'user'"):
+        usage_buckets(db, START, END, group_by=("user",))

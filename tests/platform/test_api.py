@@ -14,7 +14,9 @@ from snapshot_folders import snapshot_folder
 from starlette.testclient import TestClient
 
 from hotpool.billing.db import Database
+from hotpool.billing.keys import KeyStore
 from hotpool.billing.ledger import Ledger, UsageRecord
+from hotpool.billing.prices import PriceStore
 from hotpool.billing.scale_events import ScaleEventRecord
 from hotpool.platform.app import build_services, create_app
 from hotpool.platform.services import Services
@@ -591,6 +593,74 @@ def test_usage_over_a_long_range_answers_quickly(client: TestClient) -> None:
     params = {"page": body["next_page"], "bucket_width": "1m", "limit": 2}
     following = client.get("/v1/usage", params=params).json()
     assert [b["start_time"] for b in following["data"]] == [300, 360]
+
+
+def test_usage_groups_by_deployment_and_api_key_with_cost(
+    client: TestClient, services: Services
+) -> None:
+    ledger = Ledger(services.db)
+    PriceStore(services.db).set(None, 150_001, 75_000, 600_000, effective_from=T0)
+    key, _ = KeyStore(services.db).create(1, frozenset({"invoke"}))
+    for rid, dep, api_key in (
+        ("k1", "alpha", key.id),
+        ("k2", "alpha", None),
+        ("k3", "beta", key.id),
+    ):
+        assert ledger.record(
+            UsageRecord(rid, dep, "completions", "completed", 1000, 10, api_key_id=api_key,
+                        created_at=T0 + timedelta(hours=1))
+        )  # fmt: skip
+    start = int(T0.timestamp())
+    base = {"start_time": start, "end_time": start + 86400}
+
+    def results(**params: Any) -> list[tuple[Any, ...]]:
+        r = client.get("/v1/usage", params={**base, **params})
+        assert r.status_code == 200, r.text
+        [bucket] = r.json()["data"]
+        return [
+            (x["model"], x["api_key_id"], x["num_model_requests"], x["cost"], x["cost_micros"])
+            for x in bucket["results"]
+        ]
+
+    # 1000 * 0.150001 + 10 * 0.6 = 156.001 micro-units each.
+    cost = {"value": "0.000156", "currency": "USD"}
+    both = [
+        ("alpha", None, 1, cost, 156),
+        ("alpha", key.prefix, 1, cost, 156),
+        ("beta", key.prefix, 1, cost, 156),
+    ]
+    assert results(group_by="deployment,api_key") == both
+    assert results(group_by=["model", "api_key_id"]) == both  # repeated, OpenAI's names
+    assert results(**{"group_by[]": ["api_key", "model"]}) == both  # the openai client's way
+    two = {"value": "0.000312", "currency": "USD"}
+    assert results(group_by="api_key") == [
+        (None, None, 1, cost, 156), (None, key.prefix, 2, two, 312)
+    ]  # fmt: skip
+    assert results(group_by="deployment") == [
+        ("alpha", None, 2, two, 312), ("beta", None, 1, cost, 156)
+    ]  # fmt: skip
+    assert results() == [(None, None, 3, {"value": "0.000468", "currency": "USD"}, 468)]
+    assert results(models="beta,gamma") == [(None, None, 1, cost, 156)]
+    assert results(**{"models[]": ["alpha"], "group_by": "api_key"}) == [
+        (None, None, 1, cost, 156), (None, key.prefix, 1, cost, 156)
+    ]  # fmt: skip
+
+
+def test_usage_without_prices_has_no_cost(client: TestClient, services: Services) -> None:
+    record(Ledger(services.db), "r1", "alpha", T0 + timedelta(hours=1), 10, 5)
+    start = int(T0.timestamp())
+    body = client.get("/v1/usage", params={"start_time": start, "end_time": start + 7200}).json()
+    [result] = body["data"][0]["results"]
+    assert (result["cost"], result["cost_micros"], result["input_tokens"]) == (None, None, 10)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"group_by": "model,user_id"}, {"group_by[]": "project_id"}, {"models": "nul\u0000"}],
+)
+def test_bad_usage_groups_are_400(client: TestClient, params: dict[str, str]) -> None:
+    err = error_of(client.get("/v1/usage", params=params), 400)
+    assert err["param"] in ("group_by", "models")
 
 
 # --- metrics and internal -----------------------------------------------------------------------

@@ -93,7 +93,7 @@ def _routes(target: str) -> list[tuple[str, str, str, Any]]:
             "POST",
             f"/v1/deployments/{target}/invoke",
             {"prompt": "x", "params": {"max_tokens": 0}},
-        ),  # fmt: skip
+        ),
         ("invoke", "GET", "/v1/models", None),
         ("invoke", "GET", f"/v1/models/{target}", None),
         ("usage", "GET", "/v1/usage", None),

@@ -1,0 +1,244 @@
+"""The ledger loses nothing when PostgreSQL goes away under load or the control plane dies.
+
+A real ``hotpool serve`` talks to a fresh database on the shared PostgreSQL server through a
+TCP proxy started here, so a test cuts *its* database for a few seconds while the server
+itself (which other tests use) keeps running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_process import running_server, worker_pids
+from sqlalchemy import create_engine, make_url, pool, text
+
+from hotpool.billing.db import Database
+from hotpool.billing.ledger import Ledger, UsageRecord
+from hotpool.platform.inflight import RESTART_ERROR
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+
+DEFAULT_POSTGRES_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:``port`` to ``upstream``. :meth:`cut` drops every connection and
+    refuses new ones (as a database that went away) until :meth:`restore`."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.up = True
+        self.refused = 0
+        self._socks: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        self.up = False
+        with self._lock:
+            socks, self._socks = self._socks, set()
+        for s in socks:
+            _kill(s)
+
+    def restore(self) -> None:
+        self.up = True
+
+    def close(self) -> None:
+        self.cut()
+        _kill(self.listener)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            if not self.up:
+                self.refused += 1
+                _kill(client)
+                continue
+            try:
+                server = socket.create_connection(self.upstream, timeout=5)
+                server.settimeout(None)
+            except OSError:
+                _kill(client)
+                continue
+            with self._lock:
+                self._socks |= {client, server}
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        _kill(src)
+        _kill(dst)
+
+
+def _kill(s: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv, unlike close()
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def database_url() -> Iterator[str]:
+    """A fresh database on the test server, migrated with `hotpool db upgrade`."""
+    admin_url = os.environ.get("HOTPOOL_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL)
+    if os.environ.get("HOTPOOL_TEST_SKIP_POSTGRES") == "1":
+        pytest.skip("HOTPOOL_TEST_SKIP_POSTGRES=1")
+    name = f"hotpool_e2e_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(admin_url, poolclass=pool.NullPool, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        env = {**os.environ, "HOTPOOL_DATABASE_URL": url}
+        cmd = [sys.executable, "-m", "hotpool", "db", "upgrade"]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="module")
+def proxy(database_url: str) -> Iterator[TcpProxy]:
+    url = make_url(database_url)
+    p = TcpProxy((url.host or "127.0.0.1", url.port or 5432))
+    yield p
+    p.close()
+
+
+def _through(proxy: TcpProxy, database_url: str) -> str:
+    url = make_url(database_url).set(host="127.0.0.1", port=proxy.port)
+    return url.render_as_string(hide_password=False)
+
+
+def _ledger(database_url: str) -> dict[str, list[UsageRecord]]:
+    """request_id -> its rows, read straight from the database (not through the proxy)."""
+    db = Database(database_url)
+    try:
+        rows: dict[str, list[UsageRecord]] = {}
+        for r in Ledger(db).events(limit=1_000_000):
+            rows.setdefault(r.request_id, []).append(r)
+        return rows
+    finally:
+        db.dispose()
+
+
+def _wait_for(what: str, check: object, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+def test_postgres_cut_for_seconds_under_load_loses_no_request_and_doubles_none(
+    tmp_path: Path, smollm2_snapshot_bf16: Path, database_url: str, proxy: TcpProxy
+) -> None:
+    uri = f"file://{smollm2_snapshot_bf16}"
+    env = {
+        "HOTPOOL_DATABASE_URL": _through(proxy, database_url),
+        "HOTPOOL_MAX_WORKERS": "1",
+        "HOTPOOL_WARM_WORKERS": "0",
+    }
+    with running_server(tmp_path, uri, env, f"outage={uri}") as srv:
+        body = {"model": "outage", "prompt": "One, two,", "max_tokens": 2}
+        first = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)  # cold start
+        assert first.status_code == 200, first.text
+        sent: list[tuple[str, float, int]] = []  # request id, when it finished, status
+        stop = threading.Event()
+
+        def load() -> None:
+            with httpx.Client(timeout=60) as client:
+                while not stop.is_set():
+                    r = client.post(f"{srv.url}/v1/completions", json=body)
+                    sent.append((r.headers["x-request-id"], time.monotonic(), r.status_code))
+
+        threads = [threading.Thread(target=load) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(2)
+        cut_at = time.monotonic()
+        proxy.cut()
+        time.sleep(5)
+        proxy.restore()
+        back_at = time.monotonic()
+        time.sleep(2)
+        stop.set()
+        for t in threads:
+            t.join()
+
+        assert {status for _, _, status in sent} == {200}  # serving never noticed the outage
+        during = [rid for rid, at, _ in sent if cut_at < at < back_at]
+        assert len(during) >= 10 and proxy.refused > 0  # the outage was real, under load
+        ids = {first.headers["x-request-id"]} | {rid for rid, _, _ in sent}
+        assert len(ids) == len(sent) + 1
+
+        def replayed() -> bool:
+            spooled = any((tmp_path / "spool").glob("usage*.jsonl"))
+            return not spooled and ids <= _ledger(database_url).keys()
+
+        _wait_for("the spool to be replayed", replayed, 30)
+        rows = _ledger(database_url)
+        assert {rid: len(rows[rid]) for rid in ids} == dict.fromkeys(ids, 1)
+        assert all(rows[rid][0].completion_tokens == 2 for rid in ids)
+        assert "spooling" in srv.log()
+
+
+def test_a_stream_cut_by_kill_9_is_billed_as_partial_after_the_restart(
+    tmp_path: Path, smollm2_snapshot_bf16: Path, database_url: str, proxy: TcpProxy
+) -> None:
+    uri = f"file://{smollm2_snapshot_bf16}"
+    env = {
+        "HOTPOOL_DATABASE_URL": _through(proxy, database_url),
+        "HOTPOOL_MAX_WORKERS": "1",
+        "HOTPOOL_WARM_WORKERS": "0",
+    }
+    body = {"model": "crash", "prompt": "Once upon a time", "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    with running_server(tmp_path, uri, env, f"crash={uri}") as srv:
+        chunks = 0
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
+            request_id = r.headers["x-request-id"]
+            try:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks += 1
+                        if chunks == 40:
+                            os.kill(srv.proc.pid, signal.SIGKILL)
+            except httpx.HTTPError:
+                pass  # the connection dies with the server
+        assert srv.proc.wait(timeout=10) == -signal.SIGKILL
+        assert request_id not in _ledger(database_url)
+        for pid in worker_pids(tmp_path):  # orphans: they would exit on their own, later
+            os.kill(pid, signal.SIGKILL)
+
+    with running_server(tmp_path, uri, env) as srv:  # same database, same spool folder
+        _wait_for("the restart to bill it", lambda: request_id in _ledger(database_url), 15)
+        [row] = _ledger(database_url)[request_id]
+        assert (row.status, row.error, row.deployment) == ("partial", RESTART_ERROR, "crash")
+        assert 16 <= row.completion_tokens < 400 and row.prompt_tokens > 0
+        assert "left unrecorded (1 cut short)" in srv.log()
+        assert json.loads(httpx.get(f"{srv.url}/readyz").text)["status"] == "ready"

@@ -1,0 +1,119 @@
+"""The in-flight journal: what a crashed process leaves is billed, and nothing else."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hotpool.billing.ledger import UsageRecord
+from hotpool.platform.inflight import RESTART_ERROR, InflightJournal, OpenRequest
+
+
+def _open(journal: InflightJournal, request_id: str, started_at: float = 1000.0) -> None:
+    journal.open(OpenRequest(request_id, "smollm2", "chat.completions", 1, 7, None, started_at))
+
+
+def _lines(folder: Path) -> list[dict[str, object]]:
+    return [json.loads(x) for p in folder.glob("inflight.*.jsonl") for x in p.read_text().split()]
+
+
+def _crashed(folder: Path) -> list[UsageRecord]:
+    """What the next process bills (the journal is abandoned, never closed)."""
+    return InflightJournal(folder).recover()
+
+
+def test_token_counts_are_journalled_every_n_tokens_not_every_token(tmp_path: Path) -> None:
+    journal = InflightJournal(tmp_path, every_tokens=16, every_s=3600)
+    journal.start()
+    _open(journal, "r1")
+    for n in range(1, 101):
+        journal.progress("r1", 20, n, 4)
+    assert [x["completion_tokens"] for x in _lines(tmp_path) if x["op"] == "tokens"] == [
+        16, 32, 48, 64, 80, 96
+    ]  # fmt: skip
+    [rec] = _crashed(tmp_path)
+    assert (rec.status, rec.error) == ("partial", RESTART_ERROR)
+    assert (rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens) == (20, 96, 4)
+    assert (rec.api_key_id, rec.deployment, rec.endpoint) == (7, "smollm2", "chat.completions")
+
+
+def test_a_slow_stream_is_journalled_every_second(tmp_path: Path) -> None:
+    journal = InflightJournal(tmp_path, every_tokens=1000, every_s=0.0)
+    journal.start()
+    _open(journal, "r1")
+    journal.progress("r1", 5, 1, 0)
+    journal.progress("r1", 5, 1, 0)  # no new token: nothing to write
+    journal.progress("r1", 5, 2, 0)
+    assert [x["completion_tokens"] for x in _lines(tmp_path) if x["op"] == "tokens"] == [1, 2]
+
+
+def test_an_ended_request_is_billed_with_its_record_a_done_one_not_at_all(
+    tmp_path: Path,
+) -> None:
+    journal = InflightJournal(tmp_path)
+    journal.start()
+    _open(journal, "ended")
+    _open(journal, "done")
+    record = UsageRecord("ended", "smollm2", "chat.completions", "completed", 12, 30)
+    journal.end(record, created_at=1234.5)
+    journal.end(UsageRecord("done", "smollm2", "chat.completions", "cancelled", 3, 1), 1.0)
+    journal.done(["done"])
+    [rec] = _crashed(tmp_path)
+    assert rec.request_id == "ended" and rec.status == "completed"
+    assert rec.completion_tokens == 30 and rec.created_at is not None
+    assert rec.created_at.timestamp() == 1234.5
+
+
+def test_compaction_keeps_only_live_requests(tmp_path: Path) -> None:
+    journal = InflightJournal(tmp_path, every_tokens=1, compact_after=100)
+    journal.start()
+    _open(journal, "live")
+    journal.progress("live", 9, 3, 0)
+    for i in range(60):
+        _open(journal, f"r{i}")
+        journal.end(UsageRecord(f"r{i}", "smollm2", "completions", "completed", 1, 1), 1.0)
+        journal.done([f"r{i}"])
+    retired = journal.compact_if_due()
+    assert retired is not None
+    journal.sync(retired)
+    [current] = tmp_path.glob("inflight.*.jsonl")
+    assert current != retired and not retired.exists()
+    assert [x["op"] for x in _lines(tmp_path)] == ["open", "tokens"]
+    [rec] = _crashed(tmp_path)
+    assert (rec.request_id, rec.completion_tokens) == ("live", 3)
+
+
+def test_a_journal_is_dropped_only_once_the_next_process_starts_its_own(
+    tmp_path: Path,
+) -> None:
+    first = InflightJournal(tmp_path)
+    first.start()
+    _open(first, "a")
+    # The next process crashes too before it has billed "a": the one after still finds it.
+    assert [r.request_id for r in InflightJournal(tmp_path).recover()] == ["a"]
+    third = InflightJournal(tmp_path)
+    assert [r.request_id for r in third.recover()] == ["a"]
+    third.start()  # the caller has made "a" safe: its file goes
+    _open(third, "b")
+    assert [r.request_id for r in _crashed(tmp_path)] == ["b"]
+
+
+def test_a_torn_journal_line_is_skipped(tmp_path: Path) -> None:
+    journal = InflightJournal(tmp_path)
+    journal.start()
+    _open(journal, "a")
+    [path] = tmp_path.glob("inflight.*.jsonl")
+    with open(path, "ab") as f:
+        f.write(b'{"op":"tokens","request_id":"a","prompt_tok')
+    [rec] = _crashed(tmp_path)
+    assert (rec.request_id, rec.completion_tokens, rec.status) == ("a", 0, "error")
+
+
+def test_a_clean_close_with_nothing_in_flight_leaves_no_journal(tmp_path: Path) -> None:
+    journal = InflightJournal(tmp_path)
+    journal.start()
+    _open(journal, "a")
+    journal.end(UsageRecord("a", "smollm2", "completions", "completed", 1, 1), 1.0)
+    journal.done(["a"])
+    journal.close()
+    assert list(tmp_path.iterdir()) == []
