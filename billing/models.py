@@ -1,5 +1,5 @@
 """SQLAlchemy models of the ledger: tenants, API keys, deployments, prices, usage and scale
-events.
+events, and the hourly usage rollups.
 
 The Alembic migrations in ``hotpool.migrations.versions`` are written by hand and must agree
 with these models; ``tests/billing/test_migrations.py`` checks that they do. Constraint names
@@ -21,6 +21,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Text,
     TypeDecorator,
@@ -277,3 +278,34 @@ class ScaleEvent(Base):
     cold_start_seconds: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class UsageRollupHourly(Base):
+    """Sums of the usage events of one UTC hour, tenant and deployment.
+
+    Derived data: :mod:`hotpool.billing.rollups` deletes and recomputes it from
+    ``usage_events``, which stay the truth. The sums follow :mod:`hotpool.billing.usage`:
+    token sums include correction rows (so they are corrected totals), ``requests`` leaves
+    them out, and ``cost_micros`` sums the costs of the priced events (NULL, with
+    ``currency``, when none of the group's events had a price in force).
+    """
+
+    __tablename__ = "usage_rollups_hourly"
+    __table_args__ = (
+        PrimaryKeyConstraint("hour", "tenant_id", "deployment"),
+        CheckConstraint("requests >= 0", name="requests_nonnegative"),
+        CheckConstraint("(cost_micros IS NULL) = (currency IS NULL)", name="cost_has_currency"),
+    )
+
+    # The start of the UTC hour.
+    hour: Mapped[datetime] = mapped_column(UTCDateTime())
+    # No foreign key: like usage_events.deployment, a rollup outlives what it names.
+    tenant_id: Mapped[int] = mapped_column(Integer)
+    deployment: Mapped[str] = mapped_column(String(128))
+    requests: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    cost_micros: Mapped[int | None] = mapped_column(BigInteger)
+    currency: Mapped[str | None] = mapped_column(String(3))
+    rebuilt_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -113,6 +113,7 @@ async def revoke_key(request: Request) -> Response:
     prefix = request.path_params["prefix"]
     try:
         key = await asyncio.to_thread(services.keys.revoke, prefix)
+        services.auth.forget(key.id)
     except KeyError:
         raise APIError(
             404, f"no API key with prefix {prefix!r}", code="api_key_not_found"

@@ -14,6 +14,7 @@ on every response (``x-hotpool-auth: off``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ from hotpool.platform.invoke import Caller
 log = logging.getLogger("hotpool.auth")
 
 TOUCH_EVERY_S = 60.0  # last_used_at is kept to the minute: one UPDATE per key per minute
+# A key checked in SQL is trusted this long without asking again (a database round trip
+# on every request is most of what auth costs). Revoking through this server's API takes
+# effect at once; through the CLI or another control plane, within this many seconds.
+KEY_CACHE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class Authenticator:
         self.enabled = enabled
         self._touched: dict[int, float] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._cache: dict[bytes, tuple[ApiKeyRecord, float]] = {}  # sha256(key) -> (key, until)
 
     async def principal(self, request: Request) -> Principal:
         if not self.enabled:
@@ -71,7 +77,7 @@ class Authenticator:
                 "`hotpool keys create` makes one.",
                 code="missing_api_key",
             )
-        key = await asyncio.to_thread(self.keys.authenticate, token)
+        key = await self._authenticate(token)
         if key is None:
             shown = token[:11] + "..." if len(token) > 11 else token[:3] + "..."
             raise APIError(
@@ -80,6 +86,25 @@ class Authenticator:
             )  # fmt: skip
         self._touch(key)
         return Principal(key.tenant_id, key)
+
+    async def _authenticate(self, token: str) -> ApiKeyRecord | None:
+        digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+        now = time.monotonic()
+        hit = self._cache.get(digest)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        key = await asyncio.to_thread(self.keys.authenticate, token)
+        if key is None:
+            self._cache.pop(digest, None)
+            return None
+        if len(self._cache) > 10_000:  # keys are few; this only bounds a flood of them
+            self._cache.clear()
+        self._cache[digest] = (key, now + KEY_CACHE_S)
+        return key
+
+    def forget(self, key_id: int) -> None:
+        """Drop a revoked key from the cache: it fails from the next request on."""
+        self._cache = {d: v for d, v in self._cache.items() if v[0].id != key_id}
 
     def _touch(self, key: ApiKeyRecord) -> None:
         now = time.monotonic()

@@ -103,15 +103,15 @@ def test_db_upgrade_then_current(run: CliRunner, home: Path) -> None:
 
     result = invoke(run, "db", "upgrade")
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == "database at revision 0005"
+    assert result.stdout.strip() == "database at revision 0006"
     assert (home / "hotpool.db").is_file()
 
     result = invoke(run, "db", "current")
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == "0005"
+    assert result.stdout.strip() == "0006"
 
     # Upgrading again is a no-op.
-    assert invoke(run, "db", "upgrade").stdout.strip() == "database at revision 0005"
+    assert invoke(run, "db", "upgrade").stdout.strip() == "database at revision 0006"
 
 
 def test_db_upgrade_honours_database_url(run: CliRunner, tmp_path: Path) -> None:

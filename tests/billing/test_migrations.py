@@ -17,8 +17,16 @@ from hotpool.billing.deployments import DeploymentSpec, DeploymentStore
 from hotpool.billing.ledger import Ledger, UsageRecord
 from hotpool.billing.models import Base, Tenant
 
-LEDGER_TABLES = {"tenants", "api_keys", "deployments", "usage_events", "scale_events", "prices"}
-HEAD = "0005"
+LEDGER_TABLES = {
+    "tenants",
+    "api_keys",
+    "deployments",
+    "usage_events",
+    "scale_events",
+    "prices",
+    "usage_rollups_hourly",
+}
+HEAD = "0006"
 
 
 def _tables(db: Database) -> set[str]:
@@ -43,7 +51,7 @@ def test_upgrade_downgrade_upgrade_round_trip(empty_db: Database) -> None:
 
 
 def test_downgrade_to_0001_drops_only_the_later_tables(db: Database) -> None:
-    later = {"scale_events", "api_keys", "prices"}
+    later = {"scale_events", "api_keys", "prices", "usage_rollups_hourly"}
     db.downgrade("0001")
     assert db.current_revision() == "0001"
     assert _tables(db) == (LEDGER_TABLES - later) | {"alembic_version"}
@@ -222,6 +230,18 @@ def test_migration_0005_up_and_down_keeps_usage(empty_db: Database) -> None:
     assert empty_db.current_revision() == HEAD
 
 
+def test_migration_0006_up_and_down_leaves_events_alone(db: Database) -> None:
+    Ledger(db).record(UsageRecord("req-1", "m", "completions", "completed", 5, 5))
+    pk = inspect(db.engine).get_pk_constraint("usage_rollups_hourly")
+    assert pk["constrained_columns"] == ["hour", "tenant_id", "deployment"]
+    db.downgrade("0005")
+    assert "usage_rollups_hourly" not in _tables(db)
+    assert [e.request_id for e in Ledger(db).events()] == ["req-1"]
+    db.upgrade()
+    assert db.current_revision() == HEAD
+    assert "usage_rollups_hourly" in _tables(db)
+
+
 def test_downgrade_below_0005_refuses_to_drop_corrections(db: Database) -> None:
     ledger = Ledger(db)
     ledger.record(UsageRecord("req-1", "m", "completions", "completed", 5, 5))
@@ -273,6 +293,7 @@ def test_offline_mode_renders_sql(empty_db: Database) -> None:
     assert "CREATE TABLE scale_events" in sql
     assert "CREATE TABLE api_keys" in sql
     assert "CREATE TABLE prices" in sql
+    assert "CREATE TABLE usage_rollups_hourly" in sql
     assert "INSERT INTO tenants" in sql
     assert empty_db.current_revision() is None  # nothing ran
 
@@ -286,6 +307,7 @@ def test_migrations_ship_inside_the_package() -> None:
     assert (folder / "versions" / "0003_api_keys.py").is_file()
     assert (folder / "versions" / "0004_deployment_options.py").is_file()
     assert (folder / "versions" / "0005_prices.py").is_file()
+    assert (folder / "versions" / "0006_usage_rollups.py").is_file()
     script = ScriptDirectory(str(folder))
     assert script.get_heads() == [HEAD]
 
