@@ -15,6 +15,7 @@ from hotpool import __version__
 from hotpool.cli_common import settings_or_exit as _settings
 from hotpool.cli_common import snapshot_uri as _snapshot_uri
 from hotpool.cli_keys import keys, tenants
+from hotpool.cli_ledger import ledger
 from hotpool.cli_prices import prices
 from hotpool.cli_snapshot import models, snapshot
 from hotpool.logs import configure as configure_logs
@@ -321,3 +322,4 @@ main.add_command(snapshot)
 main.add_command(tenants)
 main.add_command(keys)
 main.add_command(prices)
+main.add_command(ledger)
