@@ -76,6 +76,7 @@ def build_services(
     writer = LedgerWriter(
         ledger, settings.ledger_spool_dir, every_tokens=settings.inflight_every_tokens
     )
+    metrics.ledger_writer = writer
     scale_log = ScaleEventWriter(ScaleEventStore(db))
 
     def on_scale(event: ScaleEvent) -> None:

@@ -79,6 +79,15 @@ class LedgerWriter:
         self.replayed = 0  # records the replay inserted (not counting ones already there)
 
     @property
+    def database_up(self) -> bool:
+        """False from a failed insert until one succeeds (records go to the spool meanwhile)."""
+        return self._db_ok
+
+    def spool_pending(self) -> bool:
+        """Whether spooled records still wait for a replay into the database."""
+        return self.spool is not None and self.spool.has_records()
+
+    @property
     def running(self) -> bool:
         return bool(self._tasks) and not self._tasks[0].done()
 

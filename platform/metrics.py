@@ -13,9 +13,10 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from hotpool.platform.ledger_writer import LedgerWriter
 from hotpool.pool.pool import ScaleEvent, WorkerPool
 from hotpool.pool.replica import Replica, ReplicaState
 from hotpool.worker.protocol import Usage
@@ -73,6 +74,33 @@ class _PoolCollector(Collector):
         yield inflight
 
 
+class _LedgerCollector(Collector):
+    """The ledger's write path: is the database taking records, does the spool hold any."""
+
+    def __init__(self, writer: Callable[[], LedgerWriter | None]) -> None:
+        self.writer = writer
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        writer = self.writer()
+        if writer is None:
+            return
+        up = GaugeMetricFamily(
+            "hotpool_ledger_database_up", "1 while usage records reach the database directly"
+        )
+        up.add_metric([], 1.0 if writer.database_up else 0.0)
+        yield up
+        pending = GaugeMetricFamily(
+            "hotpool_ledger_spool_pending", "1 while spooled usage records wait for a replay"
+        )
+        pending.add_metric([], 1.0 if writer.spool_pending() else 0.0)
+        yield pending
+        spooled = CounterMetricFamily(
+            "hotpool_ledger_spooled_records", "Usage records written to the spool (database down)"
+        )
+        spooled.add_metric([], writer.spooled)
+        yield spooled
+
+
 class Metrics:
     def __init__(self, pool: WorkerPool) -> None:
         self.registry = CollectorRegistry()
@@ -117,6 +145,8 @@ class Metrics:
         )  # fmt: skip
         self.queued: Callable[[str], int] = lambda deployment: 0  # set to the router's
         r.register(_PoolCollector(pool, lambda d: self.queued(d)))
+        self.ledger_writer: LedgerWriter | None = None  # set once the app has built it
+        r.register(_LedgerCollector(lambda: self.ledger_writer))
 
     def observe_request(
         self,

@@ -675,6 +675,9 @@ def test_metrics_are_prometheus_text(client: TestClient) -> None:
     assert "hotpool_workers 0.0" in text
     assert 'hotpool_workers_by_state{state="idle"} 0.0' in text
     assert "# TYPE hotpool_scale_events_total counter" in text
+    assert "hotpool_ledger_database_up 1.0" in text
+    assert "hotpool_ledger_spool_pending 0.0" in text
+    assert "hotpool_ledger_spooled_records_total 0.0" in text
     assert "# TYPE hotpool_requests_total counter" in text
     assert "request_id" not in text
 
