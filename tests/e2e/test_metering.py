@@ -70,3 +70,5 @@ def test_client_usage_ledger_and_prometheus_agree_exactly(server: Server) -> Non
     metrics = httpx.get(f"{server.url}/metrics").text
     assert _counter(metrics, "input") == client_in
     assert _counter(metrics, "output") == client_out
+    # The server is shared by the session: leave it with only the deployments it had.
+    assert httpx.delete(f"{server.url}/v1/deployments/metered").status_code == 200
