@@ -31,6 +31,15 @@ def migrations_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+class StaleSchema(RuntimeError):
+    """The database is not at the latest revision (``hotpool db upgrade`` fixes it)."""
+
+    def __init__(self, current: str | None, head: str | None) -> None:
+        super().__init__(
+            f"the database is at revision {current}, not {head}: run `hotpool db upgrade`"
+        )
+
+
 class Database:
     """An engine and session factory for a ledger at ``url`` (any SQLAlchemy URL).
 
@@ -123,6 +132,22 @@ class Database:
         """The revision the database is at, or None before the first migration."""
         with self.engine.connect() as connection:
             return MigrationContext.configure(connection).get_current_revision()
+
+    def head_revision(self) -> str | None:
+        """The latest revision the migrations shipped with hotpool know."""
+        from alembic.script import ScriptDirectory
+
+        return ScriptDirectory.from_config(self.alembic_config()).get_current_head()
+
+    def ensure_schema(self) -> None:
+        """Make the schema current: SQLite is upgraded on the spot (an embedded ledger); a
+        server database must be upgraded on purpose, so :class:`StaleSchema` says to."""
+        if self.is_sqlite:
+            self.upgrade()
+            return
+        current, head = self.current_revision(), self.head_revision()
+        if current != head:
+            raise StaleSchema(current, head)
 
     def dispose(self) -> None:
         """Close every pooled connection."""

@@ -12,6 +12,7 @@ import click
 import httpx
 
 from hotpool import __version__
+from hotpool.cli_common import print_table
 from hotpool.cli_common import settings_or_exit as _settings
 from hotpool.cli_common import snapshot_uri as _snapshot_uri
 from hotpool.cli_keys import keys, tenants
@@ -275,21 +276,10 @@ def usage(
                     f"{cost['value']} {cost['currency']}" if cost else "-",
                 ]
             )
-    _print_table(header, rows, numeric_from=1 + len(groups))
+    print_table(header, rows, numeric_from=1 + len(groups))
 
 
 _USAGE_COUNTS = ("num_model_requests", "input_tokens", "input_cached_tokens", "output_tokens")
-
-
-def _print_table(header: list[str], rows: list[list[str]], numeric_from: int) -> None:
-    """Columns as wide as their widest cell; numbers (from ``numeric_from`` on) right-aligned."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        cells = [
-            cell.rjust(w) if i >= numeric_from else cell.ljust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        click.echo("  ".join(cells).rstrip())
 
 
 @main.group()

@@ -8,54 +8,15 @@ migrate a SQLite ledger themselves; a server database must be upgraded with
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 import click
 
-from hotpool.cli_common import settings_or_exit as _settings
-
-if TYPE_CHECKING:
-    from hotpool.billing.db import Database
-
-
-@contextlib.contextmanager
-def _database() -> Iterator[Database]:
-    """The ledger of the current settings, at the latest revision, or a one-line error."""
-    from alembic.script import ScriptDirectory
-    from sqlalchemy.exc import OperationalError
-
-    from hotpool.billing.db import Database
-
-    db = Database(_settings().database_url)
-    try:
-        if db.is_sqlite:
-            db.upgrade()
-        else:
-            head = ScriptDirectory.from_config(db.alembic_config()).get_current_head()
-            current = db.current_revision()
-            if current != head:
-                raise click.ClickException(
-                    f"the database is at revision {current}, not {head}: run `hotpool db upgrade`"
-                )
-        yield db
-    except OperationalError as exc:
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-        raise click.ClickException(f"cannot use the database {db!r}: {reason}") from None
-    finally:
-        db.dispose()
+from hotpool.cli_common import database, print_table
 
 
 def _when(value: datetime | None) -> str:
     return value.strftime("%Y-%m-%d %H:%M") if value else "-"
-
-
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 @click.group()
@@ -73,7 +34,7 @@ def tenants_create(name: str) -> None:
         check_tenant_name(name)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="NAME") from None
-    with _database() as db:
+    with database() as db:
         try:
             tenant = TenantStore(db).create(name)
         except TenantExists as exc:
@@ -86,9 +47,9 @@ def tenants_list() -> None:
     """List every tenant."""
     from hotpool.billing.tenants import TenantStore
 
-    with _database() as db:
+    with database() as db:
         rows = TenantStore(db).list()
-    _table(
+    print_table(
         ("ID", "NAME", "CREATED (UTC)"),
         [(str(t.id), t.name, _when(t.created_at)) for t in rows],
     )
@@ -126,7 +87,7 @@ def keys_create(tenant_name: str, scopes: str, label: str | None) -> None:
         raise click.BadParameter(str(exc), param_hint="--scopes") from None
     if label is not None and not 1 <= len(label) <= KEY_NAME_MAX_LEN:
         raise click.BadParameter(f"must be 1 to {KEY_NAME_MAX_LEN} characters", param_hint="--name")
-    with _database() as db:
+    with database() as db:
         tenant = TenantStore(db).by_name(tenant_name)
         if tenant is None:
             raise click.ClickException(
@@ -149,7 +110,7 @@ def keys_list(tenant_name: str | None) -> None:
     from hotpool.billing.keys import KeyStore
     from hotpool.billing.tenants import TenantStore
 
-    with _database() as db:
+    with database() as db:
         store = TenantStore(db)
         names = {t.id: t.name for t in store.list()}
         tenant_id = None
@@ -162,7 +123,7 @@ def keys_list(tenant_name: str | None) -> None:
     if not records:
         click.echo("no API keys; make one with `hotpool keys create`", err=True)
         return
-    _table(
+    print_table(
         ("PREFIX", "TENANT", "NAME", "SCOPES", "CREATED (UTC)", "LAST USED", "REVOKED"),
         [
             (
@@ -188,7 +149,7 @@ def keys_revoke(prefix: str) -> None:
     """
     from hotpool.billing.keys import KeyStore
 
-    with _database() as db:
+    with database() as db:
         try:
             record = KeyStore(db).revoke(prefix)
         except KeyError:

@@ -6,24 +6,9 @@ server.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 import click
 
-from hotpool.cli_keys import _database
-
-
-def _time(value: str | None, option: str) -> datetime | None:
-    if value is None:
-        return None
-    try:
-        at = datetime.fromisoformat(value)
-    except ValueError:
-        raise click.BadParameter(
-            f"{value!r} is not an ISO 8601 time such as 2025-04-01 or 2025-04-01T12:00+02:00",
-            param_hint=option,
-        ) from None
-    return at.replace(tzinfo=UTC) if at.tzinfo is None else at
+from hotpool.cli_common import database, utc_time
 
 
 @click.group()
@@ -39,10 +24,10 @@ def ledger_rollup(since: str | None, until: str | None) -> None:
     usage events (default: all of them). Prints the number of rollup rows written."""
     from hotpool.billing.rollups import rebuild
 
-    start, end = _time(since, "--since"), _time(until, "--until")
+    start, end = utc_time(since, "--since"), utc_time(until, "--until")
     if start is not None and end is not None and end <= start:
         raise click.BadParameter("must be after --since", param_hint="--until")
-    with _database() as db:
+    with database() as db:
         try:
             written = rebuild(db, start, end)
         except ValueError as exc:  # events in two currencies
@@ -56,7 +41,7 @@ def ledger_check() -> None:
     not, or if an hour with events has no rollup."""
     from hotpool.billing.rollups import check
 
-    with _database() as db:
+    with database() as db:
         mismatches = check(db)
     if not mismatches:
         click.echo("OK")

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 
 import click
 
-from hotpool.cli_keys import _database, _table
+from hotpool.cli_common import database, print_table, utc_time
 
 
 def _amount(value: str, option: str) -> int:
@@ -27,19 +27,6 @@ def _amount(value: str, option: str) -> int:
             f"must be at most {format_micros(MAX_PRICE_MICROS)}", param_hint=option
         )
     return micros
-
-
-def _effective_from(value: str | None) -> datetime | None:
-    if value is None:
-        return None
-    try:
-        at = datetime.fromisoformat(value)
-    except ValueError:
-        raise click.BadParameter(
-            f"{value!r} is not an ISO 8601 time such as 2025-04-01 or 2025-04-01T12:00+02:00",
-            param_hint="--effective-from",
-        ) from None
-    return at.replace(tzinfo=UTC) if at.tzinfo is None else at
 
 
 @click.group()
@@ -100,8 +87,8 @@ def prices_set(
         _amount(cached_input, "--cached-input"),
         _amount(output, "--output"),
     )
-    at = _effective_from(effective_from)
-    with _database() as db:
+    at = utc_time(effective_from, "--effective-from")
+    with database() as db:
         try:
             price = PriceStore(db).set(deployment, *amounts, effective_from=at, currency=currency)
         except (PriceExists, CurrencyMismatch) as exc:
@@ -122,7 +109,7 @@ def prices_list(deployment: str | None) -> None:
     """List prices per 1M tokens; IN FORCE marks those that apply now."""
     from hotpool.billing.prices import PriceStore, format_micros
 
-    with _database() as db:
+    with database() as db:
         records = PriceStore(db).list(deployment)
     if not records:
         click.echo("no prices; set one with `hotpool prices set`", err=True)
@@ -132,7 +119,7 @@ def prices_list(deployment: str | None) -> None:
     for p in records:  # sorted by start within each deployment: the last one started wins
         if p.effective_from <= now:
             current[p.deployment] = p.id
-    _table(
+    print_table(
         ("DEPLOYMENT", "CURRENCY", "INPUT", "CACHED INPUT", "OUTPUT", "FROM (UTC)", "IN FORCE"),
         [
             (

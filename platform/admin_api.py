@@ -15,7 +15,7 @@ from starlette.routing import Route
 from hotpool.billing.keys import ApiKeyRecord, parse_scopes
 from hotpool.billing.tenants import TenantExists, TenantRecord
 from hotpool.platform.auth import authorize
-from hotpool.platform.errors import APIError, invalid
+from hotpool.platform.errors import APIError, invalid, json_object
 from hotpool.platform.services import Services, read_json
 
 
@@ -41,19 +41,10 @@ def _key_json(k: ApiKeyRecord, tenant: str | None) -> dict[str, Any]:
     }
 
 
-def _object(body: Any, allowed: set[str]) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise invalid(f"unknown field `{unknown[0]}`", unknown[0])
-    return body
-
-
 async def create_tenant(request: Request) -> Response:
     await authorize(request, "admin")
     services: Services = request.app.state.services
-    body = _object(await read_json(request), {"name"})
+    body = json_object(await read_json(request), {"name"})
     name = body.get("name")
     if not isinstance(name, str):
         raise invalid("`name` must be a string", "name")
@@ -77,7 +68,7 @@ async def list_tenants(request: Request) -> Response:
 async def create_key(request: Request) -> Response:
     await authorize(request, "admin")
     services: Services = request.app.state.services
-    body = _object(await read_json(request), {"tenant", "scopes", "name"})
+    body = json_object(await read_json(request), {"tenant", "scopes", "name"})
     tenant_name, scopes, name = body.get("tenant"), body.get("scopes"), body.get("name")
     if not isinstance(tenant_name, str):
         raise invalid("`tenant` must be a tenant's name", "tenant")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hotpool.billing.deployments import DeploymentSpec
-from hotpool.platform.errors import APIError, invalid
+from hotpool.platform.errors import APIError, invalid, json_object
 from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -90,18 +90,9 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def _object(body: Any, allowed: set[str]) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise invalid(f"unknown field `{unknown[0]}`", unknown[0])
-    return body
-
-
 def parse_deployment(body: Any, default_idle_timeout_s: float) -> DeploymentSpec:
     """A new deployment from a ``POST /v1/deployments`` body."""
-    body = _object(body, {"name", *PARSERS})
+    body = json_object(body, {"name", *PARSERS})
     name = body.get("name")
     if not isinstance(name, str) or not NAME.fullmatch(name):  # match() takes "name\n"
         raise invalid(
@@ -119,7 +110,7 @@ def parse_deployment(body: Any, default_idle_timeout_s: float) -> DeploymentSpec
 def parse_update(body: Any, current: DeploymentSpec) -> dict[str, Any]:
     """The changes of a ``PATCH`` body, checked against ``current`` as a whole (``name``
     cannot change; ``null`` resets an optional field to the server's default)."""
-    body = _object(body, {"name", *PARSERS})
+    body = json_object(body, {"name", *PARSERS})
     if "name" in body and body["name"] != current.name:
         raise invalid("a deployment cannot be renamed; create a new one", "name")
     changes = {f: PARSERS[f](v) for f, v in body.items() if f != "name"}

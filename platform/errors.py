@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -66,6 +68,17 @@ class APIError(Exception):
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def json_object(body: Any, allowed: Iterable[str]) -> dict[str, Any]:
+    """``body`` if it is a JSON object with only ``allowed`` fields, else a 400 naming the
+    first unknown one (unknown fields are refused, never silently ignored)."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise invalid(f"unknown field `{unknown[0]}`", unknown[0])
+    return body
 
 
 async def api_error_handler(_: Request, exc: Exception) -> Response:

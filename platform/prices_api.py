@@ -30,7 +30,7 @@ from hotpool.billing.prices import (
     check_deployment,
 )
 from hotpool.platform.auth import authorize
-from hotpool.platform.errors import APIError, invalid
+from hotpool.platform.errors import APIError, invalid, json_object
 from hotpool.platform.services import Services, read_json
 from hotpool.platform.usage_api import MAX_TIMESTAMP
 
@@ -72,11 +72,7 @@ def _amount(body: dict[str, Any], name: str) -> int:
 
 def parse_price(body: Any) -> PriceRecord:
     """The price a ``POST /v1/prices`` body asks for, or a 400 naming the bad field."""
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise invalid(f"unknown field `{unknown[0]}`", unknown[0])
+    body = json_object(body, FIELDS)
     deployment = body.get("deployment")
     if deployment is not None:
         deployment = _deployment(deployment)

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import uvicorn
 
-from hotpool.billing.db import Database
+from hotpool.billing.db import Database, StaleSchema
 from hotpool.billing.deployments import DeploymentSpec, DeploymentStore
 from hotpool.platform.app import build_services, create_app
 from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig, visible_gpus
@@ -26,21 +26,12 @@ class StartupError(RuntimeError):
 def open_database(settings: Settings) -> Database:
     """SQLite is upgraded automatically; a server database must be upgraded on purpose."""
     db = Database(settings.database_url)
-    if db.is_sqlite:
-        db.upgrade()
-        return db
-    current, head = db.current_revision(), _head_revision(db)
-    if current != head:
-        raise StartupError(
-            f"the database is at revision {current}, not {head}: run `hotpool db upgrade`"
-        )
+    try:
+        db.ensure_schema()
+    except StaleSchema as exc:
+        db.dispose()
+        raise StartupError(str(exc)) from None
     return db
-
-
-def _head_revision(db: Database) -> str | None:
-    from alembic.script import ScriptDirectory
-
-    return ScriptDirectory.from_config(db.alembic_config()).get_current_head()
 
 
 class _QuietInternal(logging.Filter):
