@@ -35,8 +35,6 @@ import json
 import math
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -47,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from serve_process import pct, serve, wait_for  # benchmarks/ is the script folder
 
 from hotpool.billing.db import Database
 from hotpool.billing.ledger import Ledger, UsageRecord
@@ -58,12 +57,6 @@ PROMPT = "Once upon a time, in a town by the sea, there lived"
 
 
 # --- the server (the pieces of tests/e2e/server_process.py a benchmark needs) ---------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -99,56 +92,13 @@ class Server:
             db.dispose()
 
 
-def wait_for(what: str, check: Any, timeout_s: float, interval_s: float = 0.2) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(interval_s)
-
-
 @contextlib.contextmanager
 def running_server(home: Path, env: dict[str, str]) -> Iterator[Server]:
-    """``hotpool serve`` on a free port with a fresh ``HOTPOOL_HOME=home``; SIGTERM on exit
-    (SIGKILL of the process group if it does not stop within a minute)."""
+    """``hotpool serve`` with a fresh ``HOTPOOL_HOME=home``."""
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
-    port = free_port()
-    full_env = {
-        **os.environ,
-        "HOTPOOL_HOME": str(home),
-        "HOTPOOL_PORT": str(port),
-        "HOTPOOL_DEVICE": "cpu",
-        **env,
-    }
-    with open(home / "serve.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hotpool", "serve"],
-            env=full_env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    srv = Server(f"http://127.0.0.1:{port}", home, proc)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{srv.url}/healthz", timeout=1).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = (home / "serve.log").read_text(errors="replace")[-4000:]
-                raise RuntimeError(f"hotpool serve did not start:\n{tail}")
-            time.sleep(0.2)
-        yield srv
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the server and workers
-            proc.wait()
+    with serve(home, env) as (url, proc):
+        yield Server(url, home, proc)
 
 
 # --- load ----------------------------------------------------------------------------------
@@ -283,14 +233,6 @@ class Poller:
 
 
 # --- one phase -----------------------------------------------------------------------------
-
-
-def pct(values: list[float], q: float) -> float:
-    """The ``q`` quantile (nearest rank) of ``values``; NaN for none."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def tokens_per_s(results: list[Result], start: float, end: float) -> float:

@@ -52,8 +52,6 @@ import math
 import os
 import re
 import shutil
-import signal
-import socket
 import string
 import subprocess
 import sys
@@ -67,6 +65,7 @@ from typing import Any
 import httpx
 import numpy as np
 from safetensors.numpy import save_file
+from serve_process import pct, serve, wait_for  # benchmarks/ is the script folder
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hotpool.billing.db import Database
@@ -206,12 +205,6 @@ def snapshot() -> str:
 # --- the server (the pieces of tests/e2e/server_process.py a benchmark needs) ---------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Server:
     url: str
@@ -237,55 +230,12 @@ class Server:
         return {r.request_id: r for r in rows if r.request_id in ids}
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.2)
-
-
 @contextlib.contextmanager
 def running_server(home: Path, env: dict[str, str], headers: dict[str, str]) -> Iterator[Server]:
-    """``hotpool serve`` on a free port with ``HOTPOOL_HOME=home`` (prepared by the caller);
-    SIGTERM on exit (SIGKILL of its process group if it does not stop within a minute)."""
-    port = free_port()
-    full_env = {
-        **os.environ,
-        "HOTPOOL_HOME": str(home),
-        "HOTPOOL_PORT": str(port),
-        "HOTPOOL_DEVICE": "cpu",
-        "HOTPOOL_WORKER_TOKEN": WORKER_TOKEN,
-        **env,
-    }
-    with open(home / "serve.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hotpool", "serve"],
-            env=full_env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    srv = Server(f"http://127.0.0.1:{port}", home, proc, headers)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{srv.url}/healthz", timeout=1).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = (home / "serve.log").read_text(errors="replace")[-4000:]
-                raise RuntimeError(f"hotpool serve did not start:\n{tail}")
-            time.sleep(0.2)
-        yield srv
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the server and workers
-            proc.wait()
+    """``hotpool serve`` with ``HOTPOOL_HOME=home`` (prepared by the caller), whose worker
+    token the benchmark knows (to call a worker directly)."""
+    with serve(home, {"HOTPOOL_WORKER_TOKEN": WORKER_TOKEN, **env}) as (url, proc):
+        yield Server(url, home, proc, headers)
 
 
 def worker_address(home: Path, worker_id: str, timeout_s: float = 30) -> str:
@@ -443,14 +393,6 @@ async def measure(paths: Paths, concurrency: int, batches: int) -> dict[str, lis
 
 
 # --- one phase -----------------------------------------------------------------------------
-
-
-def pct(values: list[float], q: float) -> float:
-    """The ``q`` quantile (nearest rank) of ``values``; NaN for none."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def prepare_home(home: Path, auth: bool) -> dict[str, str]:
