@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from s3_bucket import S3Bucket
 
 from hotpool.worker.snapshot import gguf as gguf_convert
@@ -133,3 +134,17 @@ def s3_bucket(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
     name = f"hotpool-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
     return S3Bucket(s3_endpoint, name)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    """A fresh HOTPOOL_HOME for a CLI test (created by the command that needs it)."""
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def run(home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunner]:
+    """A CLI runner that sees only this test's settings, never the developer's HOTPOOL_*."""
+    for name in [n for n in os.environ if n.startswith("HOTPOOL_")]:
+        monkeypatch.delenv(name)
+    yield CliRunner(env={"HOTPOOL_HOME": str(home)})

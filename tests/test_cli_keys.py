@@ -3,34 +3,16 @@ temporary HOTPOOL_HOME."""
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_runner import invoke
 from click.testing import CliRunner, Result
 
 from hotpool.billing.db import Database
 from hotpool.billing.keys import KeyStore
-from hotpool.cli import main
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    return tmp_path / "home"
-
-
-@pytest.fixture
-def run(home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunner]:
-    # Only this test's HOTPOOL_* settings are seen, never the developer's own.
-    for name in [n for n in os.environ if n.startswith("HOTPOOL_")]:
-        monkeypatch.delenv(name)
-    yield CliRunner(env={"HOTPOOL_HOME": str(home)})
-
-
-def invoke(runner: CliRunner, *args: str, env: dict[str, str] | None = None) -> Result:
-    return runner.invoke(main, list(args), env=env, catch_exceptions=False)
 
 
 def ok(runner: CliRunner, *args: str) -> Result:

@@ -2,43 +2,30 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner, Result
+from cli_runner import invoke
+from click.testing import CliRunner
 from sqlalchemy import text
 
 from hotpool.billing.db import Database
 from hotpool.billing.ledger import Ledger, UsageRecord
-from hotpool.cli import main
 
 H0 = datetime(2025, 3, 1, 10, tzinfo=UTC)
 
 
 @pytest.fixture
-def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunner]:
-    # Only this test's HOTPOOL_* settings are seen, never the developer's own.
-    for name in [n for n in os.environ if n.startswith("HOTPOOL_")]:
-        monkeypatch.delenv(name)
-    yield CliRunner(env={"HOTPOOL_HOME": str(tmp_path / "home")})
-
-
-@pytest.fixture
-def db(run: CliRunner, tmp_path: Path) -> Iterator[Database]:
+def db(run: CliRunner, home: Path) -> Iterator[Database]:
     """The CLI's own ledger, migrated, read and written directly."""
     assert invoke(run, "db", "upgrade").exit_code == 0
-    database = Database(f"sqlite:///{tmp_path / 'home' / 'hotpool.db'}")
+    database = Database(f"sqlite:///{home / 'hotpool.db'}")
     try:
         yield database
     finally:
         database.dispose()
-
-
-def invoke(runner: CliRunner, *args: str) -> Result:
-    return runner.invoke(main, list(args), catch_exceptions=False)
 
 
 def _record(db: Database, request_id: str, at: datetime) -> None:

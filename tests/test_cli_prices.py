@@ -3,35 +3,17 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
+from cli_runner import invoke
+from click.testing import CliRunner
 
 from hotpool import cli
 from hotpool.billing.db import Database
 from hotpool.billing.prices import PriceRecord, PriceStore
-from hotpool.cli import main
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    return tmp_path / "home"
-
-
-@pytest.fixture
-def run(home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunner]:
-    for name in [n for n in os.environ if n.startswith("HOTPOOL_")]:
-        monkeypatch.delenv(name)
-    yield CliRunner(env={"HOTPOOL_HOME": str(home)})
-
-
-def invoke(runner: CliRunner, *args: str) -> Result:
-    return runner.invoke(main, list(args), catch_exceptions=False)
 
 
 def stored(home: Path) -> list[PriceRecord]:
