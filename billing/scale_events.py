@@ -8,7 +8,9 @@ the deployment by name, so the history outlives a deleted deployment.
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -26,7 +28,8 @@ class ScaleEventRecord:
     """One replica-count change of a deployment; invalid values raise ValueError.
 
     ``created_at`` None means "now" at recording time. ``id`` is set by the store and
-    ignored when a record is written.
+    ignored when a record is written. ``tenant_id`` is the tenant owning the deployment at
+    the time; ``phases`` the cold start's seconds by phase (fetch, load, ...), once known.
     """
 
     deployment: str
@@ -37,6 +40,8 @@ class ScaleEventRecord:
     error: str | None = None
     created_at: datetime | None = None
     id: int | None = None
+    tenant_id: int | None = None
+    phases: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
         if not self.deployment or len(self.deployment) > NAME_MAX_LEN:
@@ -53,6 +58,7 @@ class ScaleEventRecord:
         if not self.reason or len(self.reason) > REASON_MAX_LEN:
             raise ValueError(f"reason must be 1 to {REASON_MAX_LEN} characters")
         _check_seconds(self.cold_start_seconds)
+        _check_phases(self.phases)
         if self.created_at is not None and self.created_at.utcoffset() is None:
             raise ValueError("created_at must be timezone-aware")
 
@@ -65,6 +71,18 @@ def _check_seconds(value: float | None) -> None:
         raise ValueError(f"cold_start_seconds must be a finite number, got {value!r}")
     if value < 0:
         raise ValueError(f"cold_start_seconds must be >= 0, got {value!r}")
+
+
+def _check_phases(phases: Mapping[str, float] | None) -> None:
+    if phases is None:
+        return
+    for name, seconds in phases.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"phase names must be non-empty strings, got {name!r}")
+        try:
+            _check_seconds(seconds)
+        except ValueError as exc:
+            raise ValueError(f"phase {name!r}: {exc}") from None
 
 
 class ScaleEventStore:
@@ -83,23 +101,34 @@ class ScaleEventStore:
             cold_start_seconds=_float_or_none(event.cold_start_seconds),
             error=event.error,
             created_at=event.created_at or utcnow(),
+            tenant_id=event.tenant_id,
+            phases=_phases_json(event.phases),
         )
         with self.db.session() as session, session.begin():
             session.add(row)
         return row.id
 
     def set_cold_start(
-        self, event_id: int, seconds: float | None, error: str | None = None
+        self,
+        event_id: int,
+        seconds: float | None,
+        error: str | None = None,
+        phases: Mapping[str, float] | None = None,
     ) -> None:
-        """Set how long the event's cold start took, and why it failed if it did.
+        """Set how long the event's cold start took, its phases, and why it failed if it did.
 
-        Both fields are overwritten (None clears them). Raises KeyError for an unknown id.
+        All three are overwritten (None clears them). Raises KeyError for an unknown id.
         """
         _check_seconds(seconds)
+        _check_phases(phases)
         stmt = (
             update(ScaleEvent)
             .where(ScaleEvent.id == event_id)
-            .values(cold_start_seconds=_float_or_none(seconds), error=error)
+            .values(
+                cold_start_seconds=_float_or_none(seconds),
+                error=error,
+                phases=_phases_json(phases),
+            )
         )
         with self.db.engine.begin() as conn:
             result = conn.execute(stmt)
@@ -136,6 +165,37 @@ class ScaleEventStore:
         with self.db.session() as session:
             return [_record(row) for row in session.scalars(stmt)]
 
+    def between(
+        self,
+        start: datetime,
+        end: datetime,
+        *,
+        tenant_id: int | None = None,
+        limit: int = 1000,
+    ) -> list[ScaleEventRecord]:
+        """Events with ``start <= created_at < end``, oldest first, of one tenant (None: all).
+
+        At most the ``limit`` latest of them: a chart of a month of flapping must stay small.
+        """
+        if start.utcoffset() is None or end.utcoffset() is None:
+            raise ValueError("start and end must be timezone-aware")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be an integer >= 0, got {limit!r}")
+        stmt = (
+            select(ScaleEvent)
+            .where(ScaleEvent.created_at >= start, ScaleEvent.created_at < end)
+            .order_by(ScaleEvent.id.desc())
+            .limit(limit)
+        )
+        if tenant_id is not None:
+            stmt = stmt.where(ScaleEvent.tenant_id == tenant_id)
+        with self.db.session() as session:
+            return [_record(row) for row in reversed(session.scalars(stmt).all())]
+
+
+def _phases_json(phases: Mapping[str, float] | None) -> str | None:
+    return None if phases is None else json.dumps({k: float(v) for k, v in phases.items()})
+
 
 def _float_or_none(value: float | None) -> float | None:
     return None if value is None else float(value)
@@ -151,4 +211,6 @@ def _record(row: ScaleEvent) -> ScaleEventRecord:
         error=row.error,
         created_at=row.created_at,
         id=row.id,
+        tenant_id=row.tenant_id,
+        phases=None if row.phases is None else json.loads(row.phases),
     )

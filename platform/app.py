@@ -22,6 +22,8 @@ from hotpool.billing.scale_events import ScaleEventStore
 from hotpool.billing.tenants import TenantStore
 from hotpool.platform import (
     admin_api,
+    dashboard,
+    dashboard_api,
     deployments_api,
     internal_api,
     invoke_api,
@@ -77,7 +79,7 @@ def build_services(
         ledger, settings.ledger_spool_dir, every_tokens=settings.inflight_every_tokens
     )
     metrics.ledger_writer = writer
-    scale_log = ScaleEventWriter(ScaleEventStore(db))
+    scale_log = ScaleEventWriter(ScaleEventStore(db), catalog.tenant_of)
 
     def on_scale(event: ScaleEvent) -> None:
         _log_scale(event)
@@ -189,6 +191,8 @@ def create_app(services: Services) -> Starlette:
         *deployments_api.routes,
         *invoke_api.routes,
         *usage_api.routes,
+        *dashboard_api.routes,
+        *dashboard.routes,
         *admin_api.routes,
         *prices_api.routes,
         *internal_api.routes,

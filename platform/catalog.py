@@ -25,6 +25,10 @@ class DeploymentCatalog:
     def all(self) -> Mapping[str, DeploymentSpec]:
         return MappingProxyType(self._specs)
 
+    def tenant_of(self, name: str) -> int | None:
+        spec = self._specs.get(name)
+        return spec.tenant_id if spec else None
+
     async def create(self, spec: DeploymentSpec) -> DeploymentSpec:
         """Raises ``DeploymentExists`` if the name is taken."""
         created = await asyncio.to_thread(self.store.create, spec)

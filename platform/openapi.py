@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from hotpool import __version__
 from hotpool.billing.deployments import MIN_KV_CACHE_BYTES, MIN_MAX_MODEL_LEN
 from hotpool.billing.keys import KEY_NAME_MAX_LEN, SCOPES
+from hotpool.billing.models import STATUSES
 from hotpool.billing.prices import DEFAULT_CURRENCY, DEPLOYMENT_MAX_LEN, MAX_PRICE_MICROS
 from hotpool.billing.tenants import TENANT_NAME_MAX_LEN
 from hotpool.billing.usage import BUCKET_WIDTHS
@@ -328,6 +329,7 @@ COMPONENTS: dict[str, Schema] = {
             "to_replicas": COUNT,
             "reason": STR,
             "cold_start_seconds": null(NUM),
+            "phases": PHASES,
             "error": null(STR),
             "created_at": null(UNIX),
         }
@@ -367,6 +369,44 @@ COMPONENTS: dict[str, Schema] = {
             "results": arr(ref("UsageResult")),
         }
     ),
+    "Principal": every(
+        {
+            "object": const("principal"),
+            "auth": strings("keys", "off"),
+            "tenant": every({"id": integer(1), "name": null(STR)}),
+            "key": null(every({"prefix": STR, "name": null(STR), "scopes": arr(strings(*SCOPES))})),
+            "admin": BOOL,
+        }
+    ),
+    "Percentiles": every({"p50": null(NUM), "p95": null(NUM)}),
+    "UsageSummary": every(
+        {
+            "object": const("usage.summary"),
+            "start_time": UNIX,
+            "end_time": UNIX,
+            "tenant": {**null(STR), "description": "The tenant asked for; null: every tenant."},
+            "requests": ref("RequestsByStatus"),
+            "deployments": arr(
+                every(
+                    {
+                        "name": STR,
+                        "tenant": null(STR),
+                        "live": {**BOOL, "description": "false: deleted, only in the ledger."},
+                        "min_replicas": null(COUNT),
+                        "max_replicas": null(COUNT),
+                        "replicas": every({s.value: COUNT for s in ReplicaState}),
+                        "requests": ref("RequestsByStatus"),
+                        "ttft_seconds": ref("Percentiles"),
+                        "total_seconds": ref("Percentiles"),
+                        "last_request_at": null(UNIX),
+                    }
+                )
+            ),
+            "scale_events": arr(ref("ScaleEvent")),
+            "scale_events_truncated": BOOL,
+        }
+    ),
+    "RequestsByStatus": every({s: COUNT for s in STATUSES}),
     "UsagePage": every(
         {
             "object": const("page"),
@@ -674,6 +714,12 @@ GROUPING = "Split each bucket by deployment (`model`, `deployment`) and/or `api_
     "repeated or comma-separated."
 )
 MODELS = arr(text("^[ -~]+$"))
+TENANT = param(
+    "query",
+    "tenant",
+    text(maxLength=TENANT_NAME_MAX_LEN),
+    "Only this tenant's usage: any tenant for an admin key, else the key's own (404 otherwise).",
+)
 
 PATHS: dict[str, dict[str, Schema]] = {
     "/v1/chat/completions": {
@@ -794,8 +840,38 @@ PATHS: dict[str, dict[str, Schema]] = {
                 ),
                 param("query", "models", MODELS, "Only these deployments."),
                 param("query", "models[]", MODELS, "`models`, as the openai client sends it."),
+                TENANT,
             ),
         )
+    },
+    "/v1/usage/summary": {
+        "get": op(
+            "get usage summary",
+            "usage",
+            ok(
+                "Requests by status, latency percentiles (nearest rank) and live replicas per "
+                "deployment, and the scale events, over [start_time, end_time).",
+                "UsageSummary",
+            ),
+            (400, 404),
+            params=(
+                param("query", "start_time", TIME, "Unix seconds, inclusive; default 24 h back."),
+                param("query", "end_time", TIME, "Unix seconds, exclusive; default now."),
+                TENANT,
+            ),
+        )
+    },
+    "/v1/me": {
+        "get": {
+            **op(
+                "get me",
+                None,
+                ok("The key's tenant and scopes (any valid key may ask).", "Principal"),
+                (401,),
+            ),
+            "tags": ["usage"],
+            "security": [{"bearerAuth": []}],  # a key, of any scope
+        }
     },
     "/v1/prices": {
         "get": op(

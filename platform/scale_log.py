@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from hotpool.billing.scale_events import ScaleEventRecord, ScaleEventStore
@@ -23,11 +24,18 @@ class _ColdStartDone:
     replica_id: str
     seconds: float | None
     error: str | None
+    phases: Mapping[str, float] | None
 
 
 class ScaleEventWriter:
-    def __init__(self, store: ScaleEventStore) -> None:
+    def __init__(
+        self, store: ScaleEventStore, tenant_of: Callable[[str], int | None] = lambda _: None
+    ) -> None:
         self.store = store
+        self.tenant_of = tenant_of
+        # A deployment's tenant, as last seen: its scale-downs after a DELETE, when the
+        # catalog no longer knows it, still belong to it.
+        self._tenants: dict[str, int] = {}
         self._queue: asyncio.Queue[ScaleEvent | _ColdStartDone] = asyncio.Queue()
         self._rows: dict[str, int] = {}  # replica id -> its scale-up row, until it is ready
         self._task: asyncio.Task[None] | None = None
@@ -40,7 +48,12 @@ class ScaleEventWriter:
 
     def cold_start_done(self, replica: Replica) -> None:
         self._queue.put_nowait(
-            _ColdStartDone(replica.id, replica.cold_start_seconds, replica.error)
+            _ColdStartDone(
+                replica.id,
+                replica.cold_start_seconds,
+                replica.error,
+                dict(replica.load.phases) if replica.load else None,
+            )
         )
 
     async def flush(self) -> None:
@@ -67,7 +80,7 @@ class ScaleEventWriter:
         if isinstance(op, _ColdStartDone):
             row = self._rows.pop(op.replica_id, None)
             if row is not None:
-                self.store.set_cold_start(row, op.seconds, op.error)
+                self.store.set_cold_start(row, op.seconds, op.error, op.phases)
             return
         row = self.store.record(
             ScaleEventRecord(
@@ -75,9 +88,17 @@ class ScaleEventWriter:
                 from_replicas=op.from_replicas,
                 to_replicas=op.to_replicas,
                 reason=op.reason[:256],
+                tenant_id=self._tenant(op.deployment),
             )
         )
         if op.to_replicas > op.from_replicas and op.replica_id is not None:
             self._rows[op.replica_id] = row
         elif op.replica_id is not None:
             self._rows.pop(op.replica_id, None)  # removed before it was ever ready
+
+    def _tenant(self, deployment: str) -> int | None:
+        tenant = self.tenant_of(deployment)
+        if tenant is None:
+            return self._tenants.get(deployment)
+        self._tenants[deployment] = tenant
+        return tenant

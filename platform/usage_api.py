@@ -7,6 +7,7 @@ comma-separated; ``models`` filters deployments. List parameters may also be spe
 brackets (``group_by[]=model``), as the ``openai`` client sends them. Each result carries
 ``cost``, ``{"value": "0.000150", "currency": "USD"}``: the exact decimal of its integer
 micro-units (``cost_micros``), or null when none of its requests had a price in force.
+``tenant`` (a tenant's name) narrows an ``admin`` key's view to one tenant.
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hotpool.billing.prices import format_micros
+from hotpool.billing.tenants import check_tenant_name
 from hotpool.billing.usage import BUCKET_WIDTHS, UsageBucketRow, floor_to_bucket, usage_buckets
-from hotpool.platform.auth import authorize
-from hotpool.platform.errors import invalid
+from hotpool.platform.auth import Principal, authorize
+from hotpool.platform.errors import APIError, invalid
 from hotpool.platform.services import Services
 
 DEFAULT_LIMIT = {"1d": 7, "1h": 24, "1m": 60}
 MAX_LIMIT = {"1d": 31, "1h": 168, "1m": 1440}
 LIST_PARAMS = {"group_by", "models"}
-PARAMS = {"start_time", "end_time", "bucket_width", "limit", "page"} | LIST_PARAMS
+PARAMS = {"start_time", "end_time", "bucket_width", "limit", "page", "tenant"} | LIST_PARAMS
 PARAMS |= {f"{name}[]" for name in LIST_PARAMS}
 # group_by value -> what billing groups by
 GROUPS = {"model": "deployment", "deployment": "deployment", "api_key": "api_key",
@@ -53,13 +55,31 @@ def _list_param(request: Request, name: str) -> list[str]:
     return [item.strip() for value in values for item in value.split(",") if item.strip()]
 
 
-def _time_param(request: Request, name: str) -> datetime | None:
+def time_param(request: Request, name: str) -> datetime | None:
     ts = _int_param(request, name)
     if ts is None:
         return None
     if not 0 <= ts < MAX_TIMESTAMP:
         raise invalid(f"`{name}` must be a Unix time in seconds from 0 to {MAX_TIMESTAMP}", name)
     return datetime.fromtimestamp(ts, UTC)
+
+
+async def tenant_filter(request: Request, principal: Principal) -> int | None:
+    """The tenant whose usage the caller asks for: its own, or for ``admin``, the one named
+    by ``tenant`` (None: every tenant). Naming another tenant without ``admin`` is a 404,
+    as an unknown one is, so that names of others do not leak."""
+    name = request.query_params.get("tenant")
+    if name is None:
+        return None if principal.is_admin else principal.tenant_id
+    services: Services = request.app.state.services
+    try:
+        check_tenant_name(name)  # a name no tenant can have needs no database query
+        tenant = await asyncio.to_thread(services.tenants.by_name, name)
+    except ValueError:
+        tenant = None
+    if tenant is None or not (principal.is_admin or tenant.id == principal.tenant_id):
+        raise APIError(404, f"tenant {name!r} not found", param="tenant", code="tenant_not_found")
+    return tenant.id
 
 
 async def get_usage(request: Request) -> Response:
@@ -89,9 +109,9 @@ async def get_usage(request: Request) -> Response:
         )
     groups = {GROUPS[g] for g in group_by}
     step = BUCKET_WIDTHS[width]
-    end = _time_param(request, "end_time") or datetime.now(UTC)
+    end = time_param(request, "end_time") or datetime.now(UTC)
     # `page` is the cursor a previous answer gave as `next_page`: the next bucket's start.
-    start = _time_param(request, "page") or _time_param(request, "start_time")
+    start = time_param(request, "page") or time_param(request, "start_time")
     if start is None:
         start = floor_to_bucket(end, width) - (limit - 1) * step
     if start >= end:
@@ -105,7 +125,7 @@ async def get_usage(request: Request) -> Response:
     models = _list_param(request, "models") or None
     if models and not all(m.isascii() and m.isprintable() for m in models):
         raise invalid("`models` must be deployment names", "models")
-    tenant = None if principal.is_admin else principal.tenant_id
+    tenant = await tenant_filter(request, principal)
     rows = await asyncio.to_thread(
         usage_buckets,
         services.db,

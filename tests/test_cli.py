@@ -88,7 +88,7 @@ def test_db_upgrade_then_current(run: CliRunner, home: Path) -> None:
 
     result = invoke(run, "db", "current")
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == "0006"
+    assert result.stdout.strip() == "0007"
 
     # Upgrading again is a no-op.
     assert invoke(run, "db", "upgrade").stdout.strip() == "database at revision 0006"

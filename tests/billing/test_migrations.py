@@ -16,6 +16,7 @@ from hotpool.billing.db import Database, migrations_dir
 from hotpool.billing.deployments import DeploymentSpec, DeploymentStore
 from hotpool.billing.ledger import Ledger, UsageRecord
 from hotpool.billing.models import Base, Tenant
+from hotpool.billing.scale_events import ScaleEventStore
 
 LEDGER_TABLES = {
     "tenants",
@@ -26,7 +27,7 @@ LEDGER_TABLES = {
     "prices",
     "usage_rollups_hourly",
 }
-HEAD = "0006"
+HEAD = "0007"
 
 
 def _tables(db: Database) -> set[str]:
@@ -103,7 +104,8 @@ def test_constraint_names_follow_the_convention(db: Database) -> None:
         ck["name"] for ck in insp.get_check_constraints("usage_events")
     }
     assert {ix["name"] for ix in insp.get_indexes("scale_events")} == {
-        "ix_scale_events_deployment_created_at"
+        "ix_scale_events_deployment_created_at",
+        "ix_scale_events_tenant_id_created_at",
     }
     assert insp.get_foreign_keys("scale_events") == []
     assert {
@@ -240,6 +242,34 @@ def test_migration_0006_up_and_down_leaves_events_alone(db: Database) -> None:
     db.upgrade()
     assert db.current_revision() == HEAD
     assert "usage_rollups_hourly" in _tables(db)
+
+
+def test_migration_0007_gives_old_scale_events_their_deployments_tenant(
+    empty_db: Database,
+) -> None:
+    empty_db.upgrade("0006")
+    with empty_db.engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO tenants (id, name, created_at) VALUES (7, 'acme', "
+                             "'2025-01-01 00:00:00')")  # fmt: skip
+        conn.exec_driver_sql(
+            "INSERT INTO deployments (name, tenant_id, snapshot_uri, min_replicas, max_replicas,"
+            " target_concurrency, idle_timeout_s, created_at, updated_at) VALUES ('live', 7,"
+            " 'file:///s', 0, 1, 8, 300, '2025-01-01 00:00:00', '2025-01-01 00:00:00')"
+        )
+        for name in ("live", "gone"):
+            conn.exec_driver_sql(
+                "INSERT INTO scale_events (deployment, from_replicas, to_replicas, reason,"
+                f" created_at) VALUES ('{name}', 0, 1, 'up', '2025-01-01 00:00:00')"
+            )
+    empty_db.upgrade()
+    events = {e.deployment: e for e in ScaleEventStore(empty_db).list()}
+    assert (events["live"].tenant_id, events["gone"].tenant_id) == (7, None)
+    assert events["live"].phases is None
+    empty_db.downgrade("0006")
+    assert {"tenant_id", "phases"} & _columns(empty_db, "scale_events") == set()
+    assert ScaleEventStore(empty_db).count() == 2
+    empty_db.upgrade()
+    assert empty_db.current_revision() == HEAD
 
 
 def test_downgrade_below_0005_refuses_to_drop_corrections(db: Database) -> None:

@@ -97,6 +97,7 @@ def _routes(target: str) -> list[tuple[str, str, str, Any]]:
         ("invoke", "GET", "/v1/models", None),
         ("invoke", "GET", f"/v1/models/{target}", None),
         ("usage", "GET", "/v1/usage", None),
+        ("usage", "GET", "/v1/usage/summary", None),
         ("admin", "GET", "/v1/tenants", None),
         ("admin", "GET", "/v1/keys", None),
     ]
@@ -178,6 +179,25 @@ def test_usage_is_the_tenants_own_and_admin_sees_all(world: World) -> None:
     assert total("alpha:usage") == 10
     assert total("beta:usage") == 1000
     assert total("alpha:admin") == 1010
+
+    def summary(who: str, **params: str) -> list[str]:
+        r = world.client.get("/v1/usage/summary", params=params, headers=world.h(who))
+        assert r.status_code == 200, r.text
+        return [d["name"] for d in r.json()["deployments"]]
+
+    assert summary("alpha:usage") == ["alpha-model"]
+    assert summary("beta:usage") == ["beta-model"]
+    assert summary("alpha:admin") == ["alpha-model", "beta-model"]
+    # An admin narrows to one tenant; anyone may name their own; another's is a 404,
+    # worded as for a tenant that does not exist.
+    assert summary("alpha:admin", tenant="beta") == ["beta-model"]
+    assert summary("alpha:usage", tenant="alpha") == ["alpha-model"]
+    for path in ("/v1/usage", "/v1/usage/summary"):
+        for name in ("beta", "nobody"):
+            r = world.client.get(path, params={"tenant": name}, headers=world.h("alpha:usage"))
+            assert _error(r, 404, "tenant_not_found")["message"] == f"tenant {name!r} not found"
+    r = world.client.get("/v1/usage", params={"tenant": "beta"}, headers=world.h("alpha:admin"))
+    assert sum(x["input_tokens"] for b in r.json()["data"] for x in b["results"]) == 1000
 
 
 def test_revoked_key_fails_at_once(world: World) -> None:

@@ -279,7 +279,8 @@ def _routes(app: Starlette) -> set[tuple[str, str]]:
     for route in app.routes:
         assert isinstance(route, Route)
         path = re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path)  # {model:path} -> {model}
-        if path.startswith("/internal/") or path == "/openapi.json":
+        # Workers' API, the document itself and the dashboard's web page are not the API.
+        if path.startswith(("/internal/", "/dashboard")) or path == "/openapi.json":
             continue
         found |= {(path, m.lower()) for m in route.methods or () if m != "HEAD"}
     return found

@@ -1,0 +1,163 @@
+"""The small JSON endpoints the dashboard needs beside ``/v1/usage``.
+
+``GET /v1/me`` says who a key is (the page's sign-in check, and whether to offer the
+tenant filter). ``GET /v1/usage/summary`` gives, over a time range, requests by outcome,
+latency percentiles and live replicas per deployment, and the scale events: what the
+ledger's token sums do not. Both follow ``/v1/usage``'s rules: a tenant sees its own
+deployments; an ``admin`` key sees every tenant's and may narrow to one with ``tenant``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from hotpool.billing.db import Database
+from hotpool.billing.models import STATUSES
+from hotpool.billing.scale_events import ScaleEventRecord, ScaleEventStore
+from hotpool.billing.tenants import TenantStore
+from hotpool.billing.usage_stats import DeploymentStats, deployment_stats
+from hotpool.platform.auth import Authenticator, authorize
+from hotpool.platform.errors import invalid
+from hotpool.platform.services import Services
+from hotpool.platform.usage_api import tenant_filter, time_param
+from hotpool.pool.replica import ReplicaState
+
+SUMMARY_PARAMS = {"start_time", "end_time", "tenant"}
+DEFAULT_RANGE = timedelta(hours=24)
+MAX_RANGE = timedelta(days=366)
+# A month of a flapping deployment must not make the page slow: the latest ones are kept.
+MAX_SCALE_EVENTS = 2000
+
+
+def _ts(at: datetime | None) -> int | None:
+    return None if at is None else int(at.timestamp())
+
+
+async def get_me(request: Request) -> Response:
+    """The caller's tenant and key; any valid key may ask (no scope needed)."""
+    services: Services = request.app.state.services
+    auth: Authenticator = services.auth
+    principal = await auth.principal(request)
+    tenant = await asyncio.to_thread(services.tenants.get, principal.tenant_id)
+    key = principal.key
+    return JSONResponse(
+        {
+            "object": "principal",
+            "auth": "keys" if key else "off",
+            "tenant": {"id": principal.tenant_id, "name": tenant.name if tenant else None},
+            "key": None
+            if key is None
+            else {"prefix": key.prefix, "name": key.name, "scopes": sorted(key.scopes)},
+            "admin": principal.is_admin,
+        }
+    )
+
+
+@dataclass(frozen=True)
+class _Ledger:
+    stats: list[DeploymentStats]
+    events: list[ScaleEventRecord]
+    truncated: bool
+    tenants: dict[int, str]
+
+
+def _read(db: Database, start: datetime, end: datetime, tenant: int | None) -> _Ledger:
+    """Everything the summary reads from SQL, in one worker thread."""
+    stats = deployment_stats(db, start, end, tenant_id=tenant)
+    events = ScaleEventStore(db).between(start, end, tenant_id=tenant, limit=MAX_SCALE_EVENTS + 1)
+    truncated = len(events) > MAX_SCALE_EVENTS
+    names = {t.id: t.name for t in TenantStore(db).list()}
+    return _Ledger(stats, events[-MAX_SCALE_EVENTS:], truncated, names)
+
+
+async def get_summary(request: Request) -> Response:
+    principal = await authorize(request, "usage")
+    services: Services = request.app.state.services
+    unknown = sorted(set(request.query_params) - SUMMARY_PARAMS)
+    if unknown:
+        raise invalid(f"unknown query parameter `{unknown[0]}`", unknown[0])
+    end = time_param(request, "end_time") or datetime.now(UTC)
+    start = time_param(request, "start_time") or end - DEFAULT_RANGE
+    if start >= end:
+        raise invalid("`start_time` must be before `end_time`", "start_time")
+    if end - start > MAX_RANGE:
+        raise invalid(f"the range may span at most {MAX_RANGE.days} days", "start_time")
+    tenant = await tenant_filter(request, principal)
+    ledger = await asyncio.to_thread(_read, services.db, start, end, tenant)
+
+    # Deployments that exist now, with their live replicas, and those the ledger knows.
+    specs = {
+        name: spec
+        for name, spec in services.catalog.all().items()
+        if tenant is None or spec.tenant_id == tenant
+    }
+    replicas: dict[str, Counter[str]] = {}
+    for r in services.pool.replicas():
+        if r.deployment in specs:
+            replicas.setdefault(r.deployment, Counter())[r.state.value] += 1
+    stats = {s.deployment: s for s in ledger.stats}
+    deployments = []
+    for name in sorted(set(specs) | set(stats)):
+        spec, s = specs.get(name), stats.get(name)
+        states = replicas.get(name, Counter())
+        deployments.append(
+            {
+                "name": name,
+                "tenant": ledger.tenants.get(spec.tenant_id) if spec else None,
+                "live": spec is not None,
+                "min_replicas": spec.min_replicas if spec else None,
+                "max_replicas": spec.max_replicas if spec else None,
+                "replicas": {state.value: states[state.value] for state in ReplicaState},
+                "requests": s.requests if s else dict.fromkeys(STATUSES, 0),
+                "ttft_seconds": {"p50": s.ttft_p50 if s else None,
+                                 "p95": s.ttft_p95 if s else None},
+                "total_seconds": {"p50": s.total_p50 if s else None,
+                                  "p95": s.total_p95 if s else None},
+                "last_request_at": _ts(s.last_request_at if s else None),
+            }
+        )  # fmt: skip
+    totals = dict.fromkeys(STATUSES, 0)
+    for s in ledger.stats:
+        for status, n in s.requests.items():
+            totals[status] += n
+    return JSONResponse(
+        {
+            "object": "usage.summary",
+            "start_time": int(start.timestamp()),
+            "end_time": int(end.timestamp()),
+            "tenant": None if tenant is None else ledger.tenants.get(tenant),
+            "requests": totals,
+            "deployments": deployments,
+            "scale_events": [_event_json(e) for e in ledger.events],
+            "scale_events_truncated": ledger.truncated,
+        }
+    )
+
+
+def _event_json(e: ScaleEventRecord) -> dict[str, Any]:
+    return {
+        "object": "scale_event",
+        "id": e.id,
+        "deployment": e.deployment,
+        "from_replicas": e.from_replicas,
+        "to_replicas": e.to_replicas,
+        "reason": e.reason,
+        "cold_start_seconds": e.cold_start_seconds,
+        "phases": dict(e.phases) if e.phases is not None else None,
+        "error": e.error,
+        "created_at": _ts(e.created_at),
+    }
+
+
+routes = [
+    Route("/v1/me", get_me, methods=["GET"]),
+    Route("/v1/usage/summary", get_summary, methods=["GET"]),
+]
