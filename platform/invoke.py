@@ -55,6 +55,7 @@ class _Tally:
     error: str | None = None
     lease: Lease | None = None
     delivered: bool = False  # an event reached the caller: no retry from here on
+    last_token: dict[int, float] = field(default_factory=dict)  # choice -> its last token's time
 
 
 class Invoker:
@@ -153,7 +154,10 @@ class Invoker:
                 )
             async with aclosing(self._stream(lease, request)) as stream:
                 async for event in stream:
-                    _tally_event(tally, event)
+                    now = time.monotonic()
+                    _tally_event(tally, event, now)
+                    if (gap := _token_gap(tally, event, now)) is not None:
+                        self.metrics.observe_token_gap(spec.name, gap, len(event.token_ids))
                     if (u := event.usage) is not None:
                         rid = request.request_id
                         self.ledger.progress(
@@ -232,11 +236,11 @@ class Invoker:
         )  # fmt: skip
 
 
-def _tally_event(tally: _Tally, event: GenerateEvent) -> None:
+def _tally_event(tally: _Tally, event: GenerateEvent, now: float | None = None) -> None:
     if event.usage is not None:
         tally.usage = event.usage
     if tally.ttft is None and event.token_ids:
-        tally.ttft = time.monotonic() - tally.t0
+        tally.ttft = (time.monotonic() if now is None else now) - tally.t0
     if event.finish_reason is None:
         return
     tally.finishes[event.index] = event.finish_reason
@@ -246,6 +250,19 @@ def _tally_event(tally: _Tally, event: GenerateEvent) -> None:
         done = tally.finishes.values()
         tally.finish = event.finish_reason
         tally.status = "completed" if all(f in ("stop", "length") for f in done) else "error"
+
+
+def _token_gap(tally: _Tally, event: GenerateEvent, now: float) -> float | None:
+    """Seconds since the previous tokens of this event's choice; None for a choice's first
+    tokens (that wait is the TTFT) and for events that carry none.
+
+    Per choice: the n choices of one request interleave, and a gap measured across two of
+    them would be no token's latency."""
+    if not event.token_ids:
+        return None
+    previous = tally.last_token.get(event.index)
+    tally.last_token[event.index] = now
+    return None if previous is None else now - previous
 
 
 def _worker_error(status: int, body: bytes) -> APIError:

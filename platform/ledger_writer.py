@@ -77,6 +77,7 @@ class LedgerWriter:
         self.failures = 0  # database writes that failed
         self.spooled = 0  # records written to the spool
         self.replayed = 0  # records the replay inserted (not counting ones already there)
+        self.rejected = 0  # records the database refused on their own (set aside)
 
     @property
     def database_up(self) -> bool:
@@ -244,6 +245,7 @@ class LedgerWriter:
             try:
                 inserted += await asyncio.to_thread(self._record_many, [item])
             except (IntegrityError, DataError) as exc:
+                self.rejected += 1
                 if self.spool is not None:
                     await asyncio.to_thread(self.spool.reject, item[0], str(exc.orig))
                 else:

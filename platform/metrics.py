@@ -3,6 +3,7 @@ bounded labels: deployment, status, phase, state, kind — never request ids).""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator
 
@@ -25,6 +26,12 @@ disable_created_metrics()  # `_created` series double the output and nobody grap
 
 # LLM latencies: tens of ms for a token, seconds to minutes for a cold start or a long answer.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# The gap between two tokens of one answer: about a millisecond for a small model on a big
+# GPU, tens of ms typically, up to seconds when a batch is full of prefills or preempted.
+INTER_TOKEN_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
 
 
 class _PoolCollector(Collector):
@@ -72,10 +79,38 @@ class _PoolCollector(Collector):
             inflight.add_metric([deployment], n)
         yield q
         yield inflight
+        yield self._kv_cache_usage(replicas)
+
+    def _kv_cache_usage(self, replicas: list[Replica]) -> GaugeMetricFamily:
+        # The max, not the mean: a replica about to preempt requests is what an operator needs
+        # to see, and one idle replica next to a full one would hide it in a mean.
+        kv = GaugeMetricFamily(
+            "hotpool_kv_cache_usage_ratio",
+            "Fraction of KV cache blocks in use, the highest of the deployment's ready"
+            " replicas (as their workers last reported in a heartbeat)",
+            labels=["deployment"],
+        )
+        highest: dict[str, float] = {}
+        for r in replicas:
+            usage = self._reported_kv_usage(r)
+            if usage is not None:
+                highest[r.deployment] = max(usage, highest.get(r.deployment, 0.0))
+        for deployment in sorted(highest):
+            kv.add_metric([deployment], highest[deployment])
+        return kv
+
+    def _reported_kv_usage(self, replica: Replica) -> float | None:
+        """The latest heartbeat's KV usage of a ready replica's worker, if it sent one."""
+        if replica.state is not ReplicaState.READY:
+            return None
+        # The registry, not `replica.worker`: that is the registration, never refreshed.
+        worker = self.pool.registry.get(replica.handle.worker_id)
+        return None if worker is None else worker.info.kv_cache_usage
 
 
 class _LedgerCollector(Collector):
-    """The ledger's write path: is the database taking records, does the spool hold any."""
+    """The ledger's write path: is the database taking records, does the spool hold any,
+    how often did a write fail."""
 
     def __init__(self, writer: Callable[[], LedgerWriter | None]) -> None:
         self.writer = writer
@@ -99,6 +134,44 @@ class _LedgerCollector(Collector):
         )
         spooled.add_metric([], writer.spooled)
         yield spooled
+        size = GaugeMetricFamily(
+            "hotpool_ledger_spool_bytes",
+            "Bytes of spooled usage records waiting for a replay into the database",
+        )
+        size.add_metric([], spool_bytes(writer))
+        yield size
+        failures = CounterMetricFamily(
+            "hotpool_ledger_write_failures",
+            "Writes of usage records to the ledger database (batches, and spool replays)"
+            " that failed or timed out; their records went to the spool or were retried",
+        )
+        failures.add_metric([], writer.failures)
+        yield failures
+        rejected = CounterMetricFamily(
+            "hotpool_ledger_rejected_records",
+            "Usage records the database refused on their own (kept in the spool's rejected"
+            " file for an operator)",
+        )
+        rejected.add_metric([], writer.rejected)
+        yield rejected
+
+
+def spool_bytes(writer: LedgerWriter) -> int:
+    """Size of the spool's usage files (the active one and sealed segments).
+
+    Bytes rather than records: a count would mean reading every file at each scrape, or
+    bookkeeping that a replay cut short by a crash gets wrong; a size is a few ``stat``s."""
+    spool = writer.spool
+    if spool is None:
+        return 0
+    total = 0
+    # Sealed segments first: a replay sealing the active file between the two looks is then
+    # missed once rather than counted twice.
+    for path in (*spool.sealed(), spool.active):
+        # A segment can vanish between the listing and the stat: the replay just removed it.
+        with contextlib.suppress(FileNotFoundError):
+            total += path.stat().st_size
+    return total
 
 
 class Metrics:
@@ -126,6 +199,14 @@ class Metrics:
             "End-to-end request time",
             ["deployment"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "hotpool_inter_token_latency_seconds",
+            "Time between consecutive output tokens of a choice, as they reach the control"
+            " plane (tokens that arrive together share the gap)",
+            ["deployment"],
+            buckets=INTER_TOKEN_BUCKETS,
             registry=r,
         )
         self.queue = Histogram(
@@ -166,6 +247,15 @@ class Metrics:
         self.e2e.labels(deployment).observe(total)
         if queue is not None:
             self.queue.labels(deployment).observe(queue)
+
+    def observe_token_gap(self, deployment: str, seconds: float, tokens: int) -> None:
+        """``tokens`` tokens arrived ``seconds`` after the choice's previous ones.
+
+        Each gets an equal share, so the histogram's sum is the decode time and its count
+        the tokens after each choice's first: sum / count is the mean inter-token latency."""
+        child = self.inter_token.labels(deployment)
+        for _ in range(tokens):
+            child.observe(seconds / tokens)
 
     def observe_scale(self, event: ScaleEvent) -> None:
         direction = "up" if event.to_replicas > event.from_replicas else "down"

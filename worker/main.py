@@ -54,6 +54,15 @@ def device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def kv_cache_usage(service: WorkerService) -> float | None:
+    """The loaded engine's KV usage, for the heartbeat (the control plane's gauge).
+
+    Read from this thread while the engine thread steps: a block count under the GIL, at
+    worst one step stale, which a gauge sampled every few seconds does not mind."""
+    loaded = service.loaded
+    return None if loaded is None else loaded.engine.engine.stats().kv_usage
+
+
 def run_worker(opts: WorkerOptions) -> None:
     asyncio.run(_main(opts))
 
@@ -81,14 +90,15 @@ async def _main(opts: WorkerOptions) -> None:
     server = uvicorn.Server(config)
 
     def info() -> WorkerInfo:
-        loaded = service.loaded.deployment if service.loaded else None
+        loaded = service.loaded
         return WorkerInfo(
             opts.worker_id,
             f"http://{host}:{port}",
             os.getpid(),
             str(device),
             device_memory(device),
-            loaded,
+            loaded.deployment if loaded else None,
+            kv_cache_usage(service),
         )
 
     serving = asyncio.create_task(server.serve(sockets=[sock]))

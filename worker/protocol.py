@@ -226,10 +226,18 @@ class WorkerInfo:
     device: str
     memory_bytes: int
     loaded: str | None = None  # deployment whose snapshot is loaded, if any
+    # Fraction of the loaded engine's KV cache blocks in use; None with no model loaded
+    # (and from workers older than the field, whose payloads still parse).
+    kv_cache_usage: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WorkerInfo:
-        return cls(**data)
+        info = cls(**data)
+        usage = info.kv_cache_usage
+        # It ends up in a Prometheus gauge: a string would fail every scrape, not this call.
+        if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float)):
+            raise TypeError(f"kv_cache_usage must be a number, not {type(usage).__name__}")
+        return info
