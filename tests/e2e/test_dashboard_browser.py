@@ -1,0 +1,362 @@
+"""The ``/dashboard`` page in a real browser (Debian's chromium, driven by Playwright; no
+downloaded browser) against a real ``hotpool serve`` with API keys on.
+
+The ledger holds a month of generated usage for two tenants (written straight into the
+server's SQLite file, with prices in force, so costs are real ledger costs) plus real
+requests to SmolLM2, whose cold start gives scale events with phases. Every number the page
+draws is compared with what ``/v1/usage`` and ``/v1/usage/summary`` report for the same
+window; tenant A's page never shows a name of tenant B's; the console stays clean.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_process import Server, running_server
+
+from hotpool.billing.db import Database
+from hotpool.billing.keys import KeyStore
+from hotpool.billing.ledger import Ledger, UsageRecord
+from hotpool.billing.prices import PriceStore
+from hotpool.billing.tenants import TenantStore
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+if not Path(CHROMIUM).exists():
+    if os.environ.get("HOTPOOL_REQUIRE_BROWSER") == "1":  # CI: a skip would hide the test
+        pytest.fail(f"HOTPOOL_REQUIRE_BROWSER=1 but there is no {CHROMIUM}", pytrace=False)
+    pytest.skip(
+        "Debian's chromium is not installed (apt-get install chromium; .ci/run does it)",
+        allow_module_level=True,
+    )
+sync_api = pytest.importorskip("playwright.sync_api")
+
+RANGES = ("1h", "24h", "7d", "30d")
+STATUSES = ("completed", "completed", "completed", "partial", "error", "cancelled")
+
+
+@dataclass
+class Board:
+    server: Server
+    keys: dict[str, str]  # "alpha:usage", "beta:usage", "alpha:admin", "alpha:invoke", ...
+    deployments: dict[str, set[str]]  # tenant -> its deployment names
+
+    def get(self, path: str, who: str, **params: Any) -> Any:
+        r = httpx.get(
+            f"{self.server.url}{path}",
+            params=params,
+            headers={"authorization": f"Bearer {self.keys[who]}"},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def _seed(db: Database, now: datetime) -> tuple[dict[str, str], dict[str, set[str]]]:
+    """Two tenants with keys, prices, and a month of usage each (deterministic)."""
+    tenants, keystore = TenantStore(db), KeyStore(db)
+    PriceStore(db).set(None, 150_000, 75_000, 600_000, effective_from=now - timedelta(days=60))
+    keys: dict[str, str] = {}
+    deployments = {"alpha": {"alpha-chat", "alpha-summarize"}, "beta": {"beta-secret"}}
+    rng = random.Random(9)
+    records = []
+    for tenant_name in ("alpha", "beta"):
+        tenant = tenants.create(tenant_name)
+        key_ids = []
+        for scopes in ("usage", "admin", "invoke,deploy", "deploy"):
+            record, keys[f"{tenant_name}:{scopes}"] = keystore.create(tenant.id, scopes)
+            key_ids.append(record.id)
+        for i in range(60):
+            # Half in the last hour (the 1h range has data), the rest over 30 days.
+            ago = (
+                timedelta(minutes=rng.uniform(1, 55))
+                if i % 2
+                else timedelta(hours=rng.uniform(1, 29 * 24))
+            )
+            prompt = rng.randint(20, 4000) * (10 if tenant_name == "beta" else 1)
+            records.append(
+                UsageRecord(
+                    f"seed-{tenant_name}-{i}",
+                    rng.choice(sorted(deployments[tenant_name])),
+                    "chat.completions",
+                    rng.choice(STATUSES),
+                    prompt,
+                    rng.randint(1, 500),
+                    cached_tokens=rng.randint(0, prompt // 2),
+                    tenant_id=tenant.id,
+                    api_key_id=rng.choice(key_ids[2:]),
+                    queue_seconds=rng.uniform(0, 0.2),
+                    ttft_seconds=rng.uniform(0.05, 2.0),
+                    total_seconds=rng.uniform(2.0, 30.0),
+                    created_at=now - ago,
+                )
+            )
+    Ledger(db).record_many(records)
+    return keys, deployments
+
+
+@pytest.fixture(scope="module")
+def board(tmp_path_factory: pytest.TempPathFactory, smollm2_snapshot_bf16: Path) -> Iterator[Board]:
+    home = tmp_path_factory.mktemp("dashboard-home")
+    uri = f"file://{smollm2_snapshot_bf16}"
+    env = {"HOTPOOL_AUTH": "keys", "HOTPOOL_MAX_WORKERS": "1", "HOTPOOL_WARM_WORKERS": "0"}
+    with running_server(home, uri, env) as server:
+        db = Database(f"sqlite:///{home / 'hotpool.db'}")
+        try:
+            keys, deployments = _seed(db, datetime.now(UTC))
+        finally:
+            db.dispose()
+        b = Board(server, keys, deployments)
+        # Real traffic for alpha: a deployment of SmolLM2, a cold start, three requests.
+        deploy = {"authorization": f"Bearer {keys['alpha:invoke,deploy']}"}
+        spec = {"name": "alpha-live", "snapshot_uri": uri, "idle_timeout_s": 600}
+        r = httpx.post(f"{server.url}/v1/deployments", json=spec, headers=deploy)
+        assert r.status_code == 201, r.text
+        deployments["alpha"].add("alpha-live")
+        for i in range(3):
+            body = {"model": "alpha-live", "prompt": f"Count to {i + 3}:", "max_tokens": 4}
+            r = httpx.post(f"{server.url}/v1/completions", json=body, headers=deploy, timeout=120)
+            assert r.status_code == 200, r.text
+        # The scale-up's phases are written once the replica is ready; the ledger off the
+        # request path: wait for both.
+        server.wait_for(
+            "the cold start's phases and the ledger rows",
+            lambda: _has_phases(b) and _live_requests(b) == 3,
+            timeout_s=30,
+        )
+        yield b
+
+
+def _has_phases(b: Board) -> bool:
+    summary = b.get("/v1/usage/summary", "alpha:usage")
+    return any(e["phases"] for e in summary["scale_events"] if e["deployment"] == "alpha-live")
+
+
+def _live_requests(b: Board) -> int:
+    summary = b.get("/v1/usage/summary", "alpha:usage")
+    live = next(d for d in summary["deployments"] if d["name"] == "alpha-live")
+    return sum(live["requests"].values())
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with sync_api.sync_playwright() as p:
+        # --no-sandbox: CI runs as root, where chromium's sandbox cannot start.
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser: Any, board: Board) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url} {r.failure}"))
+    page.goto(f"{board.server.url}/dashboard")
+    yield page
+    context.close()
+    # A 401 for a bad key is the page's own check, answered in the form; nothing else.
+    assert [p for p in problems if "401" not in p] == [], problems
+
+
+def _sign_in(page: Any, key: str) -> None:
+    page.fill("#api-key", key)
+    page.click("#sign-in-button")
+
+
+def _wait_loaded(page: Any, after: int = 0) -> None:
+    page.wait_for_function(
+        f"() => Number(document.getElementById('board').dataset.loaded || 0) > {after}",
+        timeout=30000,
+    )
+
+
+def _loaded_at(page: Any) -> int:
+    return int(page.evaluate("() => document.getElementById('board').dataset.loaded || 0"))
+
+
+def _charts(page: Any) -> dict[str, Any]:
+    """Every chart's labels and datasets, as the page handed them to Chart.js."""
+    return page.evaluate(  # type: ignore[no-any-return]
+        """() => Object.fromEntries(Object.entries(window.hotpoolDashboard.charts).map(
+            ([id, c]) => [id, {labels: c.data.labels.map(String), datasets: c.data.datasets.map(
+                d => ({label: d.label, data: d.data.map(v => (v === null ? v : Number(v)))}))}]))"""
+    )
+
+
+def _sums(page_: dict[str, Any], key: Any) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for bucket in page_["data"]:
+        for r in bucket["results"]:
+            g = out.setdefault(key(r), {"input": 0, "cached": 0, "output": 0, "requests": 0,
+                                        "cost": 0})  # fmt: skip
+            g["input"] += r["input_tokens"]
+            g["cached"] += r["input_cached_tokens"]
+            g["output"] += r["output_tokens"]
+            g["requests"] += r["num_model_requests"]
+            g["cost"] += r["cost_micros"] or 0
+    return out
+
+
+def _check_against_api(page: Any, board: Board, who: str, tenant: str = "") -> dict[str, Any]:
+    """Every number the page shows equals the APIs' for the page's own window."""
+    w = page.evaluate("() => window.hotpoolDashboard.data.window")
+    params = {"start_time": w["start"], "end_time": w["end"], "bucket_width": w["width"],
+              "limit": w["buckets"], **({"tenant": tenant} if tenant else {})}  # fmt: skip
+    series = board.get("/v1/usage", who, **params)
+    by_model = _sums(board.get("/v1/usage", who, group_by="model", **params), lambda r: r["model"])
+    by_key = _sums(board.get("/v1/usage", who, group_by="api_key", **params),
+                   lambda r: r["api_key_id"] or "no key")  # fmt: skip
+    summary = board.get("/v1/usage/summary", who, start_time=w["start"], end_time=w["end"],
+                        **({"tenant": tenant} if tenant else {}))  # fmt: skip
+    total = _sums(series, lambda r: "all").get(
+        "all", {"input": 0, "cached": 0, "output": 0, "requests": 0, "cost": 0}
+    )
+    kpi = {k: page.get_attribute(f"#kpi-{k}", "data-value")
+           for k in ("requests", "input", "cached", "output", "cost")}  # fmt: skip
+    assert kpi == {"requests": str(total["requests"]), "input": str(total["input"]),
+                   "cached": str(total["cached"]), "output": str(total["output"]),
+                   "cost": str(total["cost"])}  # fmt: skip
+
+    charts = _charts(page)
+    tokens = charts["chart-tokens"]
+    assert len(tokens["labels"]) == len(series["data"]) == w["buckets"]
+    assert sum(sum(d["data"]) for d in tokens["datasets"]) == total["input"] + total["output"]
+    cached = next(d for d in tokens["datasets"] if d["label"] == "cached input")
+    assert sum(cached["data"]) == total["cached"]
+    cost = charts["chart-cost"]["datasets"][0]["data"]
+    assert sum(cost) == pytest.approx(total["cost"] / 1e6)
+
+    top = charts["chart-top-deployments"]
+    drawn = {
+        name: sum(d["data"][i] for d in top["datasets"]) for i, name in enumerate(top["labels"])
+    }
+    assert drawn == {m: g["input"] + g["output"] for m, g in by_model.items()}
+    rows = page.eval_on_selector_all(
+        "#table-top-keys tbody tr",
+        "rows => rows.map(r => [r.dataset.name, r.dataset.tokens, r.dataset.costMicros])",
+    )
+    assert {name: (int(t), int(c or 0)) for name, t, c in rows} == {
+        k: (g["input"] + g["output"], g["cost"]) for k, g in by_key.items()
+    }
+
+    status = charts["chart-status"]
+    assert (
+        dict(zip(status["labels"], status["datasets"][0]["data"], strict=True))
+        == summary["requests"]
+    )
+    assert sum(summary["requests"].values()) == total["requests"]
+    latency = charts["chart-latency"]
+    for i, name in enumerate(latency["labels"]):
+        d = next(x for x in summary["deployments"] if x["name"] == name)
+        assert latency["datasets"][1]["data"][i] == pytest.approx(d["ttft_seconds"]["p95"])
+        assert latency["datasets"][3]["data"][i] == pytest.approx(d["total_seconds"]["p95"])
+    table = page.eval_on_selector_all(
+        "#table-deployments tbody tr", "rows => rows.map(r => r.dataset.name)"
+    )
+    assert table == [d["name"] for d in summary["deployments"]]
+    return {"charts": charts, "summary": summary, "by_model": by_model}
+
+
+def _visible_names(page: Any) -> str:
+    """All the text a person can see, plus every chart label and legend."""
+    charts = _charts(page)
+    labels = [str(x) for c in charts.values() for x in c["labels"]]
+    legends = [str(d["label"]) for c in charts.values() for d in c["datasets"]]
+    return "\n".join([page.inner_text("body"), *labels, *legends])
+
+
+def test_a_bad_key_gets_a_clear_message(page: Any, board: Board) -> None:
+    assert page.is_visible("#sign-in-form")
+    _sign_in(page, "hp_notakey00_0000000000000000")
+    page.wait_for_selector("#sign-in-error:not([hidden])")
+    message = page.inner_text("#sign-in-error")
+    assert message.startswith("This API key was not accepted:"), message
+    assert page.is_hidden("#board")
+    # A key without the usage scope is turned away with a reason, too.
+    _sign_in(page, board.keys["alpha:deploy"])
+    page.wait_for_function(
+        "() => document.getElementById('sign-in-error').textContent.includes('usage scope')"
+    )
+    assert page.is_hidden("#board")
+
+
+def test_a_tenant_sees_its_own_totals_in_every_chart_and_range(
+    page: Any, board: Board, tmp_path: Path
+) -> None:
+    _sign_in(page, board.keys["alpha:usage"])
+    _wait_loaded(page)
+    assert page.inner_text("#who-tenant") == "alpha"
+    assert page.is_hidden("#tenant-filter")  # not an admin
+    seen = _check_against_api(page, board, "alpha:usage")
+    # The real requests: the live deployment is ready, with a cold start split into phases.
+    live = next(d for d in seen["summary"]["deployments"] if d["name"] == "alpha-live")
+    assert live["replicas"]["ready"] == 1
+    row = page.locator("#table-deployments tbody tr[data-name='alpha-live'] td")
+    assert row.nth(2).inner_text() == "ready"
+    cold = seen["charts"]["chart-cold-starts"]
+    assert {"load", "warmup"} <= {d["label"] for d in cold["datasets"]}
+    replicas = seen["charts"]["chart-replicas"]
+    assert max(next(d for d in replicas["datasets"] if d["label"] == "alpha-live")["data"]) == 1
+    # Numbers are for people: a K or M, a currency sign.
+    assert page.inner_text("#kpi-input")[-1] in "KM"
+    assert page.inner_text("#kpi-cost").startswith("$")
+
+    shot = tmp_path / "dashboard.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 20_000
+    if os.environ.get("HOTPOOL_DASHBOARD_SCREENSHOT"):  # docs/dashboard.png is made this way
+        shutil.copy(shot, os.environ["HOTPOOL_DASHBOARD_SCREENSHOT"])
+
+    for range_ in RANGES:
+        before = _loaded_at(page)
+        page.click(f"[data-range='{range_}']")
+        _wait_loaded(page, before)
+        _check_against_api(page, board, "alpha:usage")
+        assert "beta" not in _visible_names(page)
+
+
+def test_tenant_b_never_sees_tenant_a(page: Any, board: Board) -> None:
+    _sign_in(page, board.keys["beta:usage"])
+    _wait_loaded(page)
+    before = _loaded_at(page)
+    page.click("[data-range='30d']")
+    _wait_loaded(page, before)
+    seen = _check_against_api(page, board, "beta:usage")
+    assert set(seen["by_model"]) == board.deployments["beta"]
+    assert "alpha" not in _visible_names(page)
+
+
+def test_admin_sees_every_tenant_and_can_filter_by_one(page: Any, board: Board) -> None:
+    _sign_in(page, board.keys["alpha:admin"])
+    _wait_loaded(page)
+    before = _loaded_at(page)
+    page.click("[data-range='30d']")
+    _wait_loaded(page, before)
+    assert page.is_visible("#tenant-filter")
+    everything = _check_against_api(page, board, "alpha:admin")
+    assert set(everything["by_model"]) == board.deployments["alpha"] | board.deployments["beta"]
+    before = _loaded_at(page)
+    page.select_option("#tenant-select", "beta")
+    _wait_loaded(page, before)
+    only_beta = _check_against_api(page, board, "alpha:admin", tenant="beta")
+    assert set(only_beta["by_model"]) == board.deployments["beta"]
+    assert "alpha-chat" not in _visible_names(page)
+    # Signing out forgets the key: a reload asks for one again.
+    page.click("#sign-out")
+    page.reload()
+    page.wait_for_selector("#sign-in-form")
+    assert page.is_hidden("#board")
