@@ -13,7 +13,6 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,6 +24,7 @@ from hotpool.billing.scale_events import ScaleEventRecord, ScaleEventStore
 from hotpool.billing.tenants import TenantStore
 from hotpool.billing.usage_stats import DeploymentStats, deployment_stats
 from hotpool.platform.auth import Authenticator, authorize
+from hotpool.platform.deployments_api import event_json
 from hotpool.platform.errors import invalid
 from hotpool.platform.services import Services
 from hotpool.platform.usage_api import tenant_filter, time_param
@@ -136,25 +136,10 @@ async def get_summary(request: Request) -> Response:
             "tenant": None if tenant is None else ledger.tenants.get(tenant),
             "requests": totals,
             "deployments": deployments,
-            "scale_events": [_event_json(e) for e in ledger.events],
+            "scale_events": [event_json(e) for e in ledger.events],
             "scale_events_truncated": ledger.truncated,
         }
     )
-
-
-def _event_json(e: ScaleEventRecord) -> dict[str, Any]:
-    return {
-        "object": "scale_event",
-        "id": e.id,
-        "deployment": e.deployment,
-        "from_replicas": e.from_replicas,
-        "to_replicas": e.to_replicas,
-        "reason": e.reason,
-        "cold_start_seconds": e.cold_start_seconds,
-        "phases": dict(e.phases) if e.phases is not None else None,
-        "error": e.error,
-        "created_at": _ts(e.created_at),
-    }
 
 
 routes = [

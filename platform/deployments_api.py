@@ -153,14 +153,14 @@ async def list_scale_events(request: Request) -> Response:
     return JSONResponse(
         {
             "object": "list",
-            "data": [_event_json(e) for e in page],
+            "data": [event_json(e) for e in page],
             "has_more": len(events) > limit,
             "next_before": page[-1].id if len(events) > limit else None,
         }
     )
 
 
-def _event_json(e: ScaleEventRecord) -> dict[str, Any]:
+def event_json(e: ScaleEventRecord) -> dict[str, Any]:
     return {
         "object": "scale_event",
         "id": e.id,
@@ -169,6 +169,7 @@ def _event_json(e: ScaleEventRecord) -> dict[str, Any]:
         "to_replicas": e.to_replicas,
         "reason": e.reason,
         "cold_start_seconds": e.cold_start_seconds,
+        "phases": dict(e.phases) if e.phases is not None else None,
         "error": e.error,
         "created_at": int(e.created_at.timestamp()) if e.created_at else None,
     }

@@ -817,7 +817,7 @@ PATHS: dict[str, dict[str, Schema]] = {
                 "an admin key sees every tenant's.",
                 "UsagePage",
             ),
-            (400,),
+            (400, 404),
             params=(
                 param("query", "start_time", TIME, "Unix seconds, inclusive."),
                 param("query", "end_time", TIME, "Unix seconds, exclusive."),

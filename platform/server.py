@@ -88,7 +88,11 @@ def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> Non
         )
     )
     app = create_app(build_services(settings, db, backend, token))
-    print(f"hotpool is serving on http://{host}:{port} (data in {settings.home})", flush=True)
+    print(
+        f"hotpool is serving on http://{host}:{port} (data in {settings.home});"
+        f" dashboard: http://{host}:{port}/dashboard",
+        flush=True,
+    )
     # log_config=None: uvicorn's loggers go through hotpool's handler (text or JSON).
     config = uvicorn.Config(
         app, log_level=settings.log_level, log_config=None, timeout_graceful_shutdown=30

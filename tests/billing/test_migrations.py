@@ -338,6 +338,7 @@ def test_migrations_ship_inside_the_package() -> None:
     assert (folder / "versions" / "0004_deployment_options.py").is_file()
     assert (folder / "versions" / "0005_prices.py").is_file()
     assert (folder / "versions" / "0006_usage_rollups.py").is_file()
+    assert (folder / "versions" / "0007_scale_event_details.py").is_file()
     script = ScriptDirectory(str(folder))
     assert script.get_heads() == [HEAD]
 
