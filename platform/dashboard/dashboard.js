@@ -9,7 +9,9 @@
 
 const KEY_STORAGE = "hotpool.apiKey";
 const RANGE_STORAGE = "hotpool.range";
-const REFRESH_MS = 30000;
+// Every 30 s, or every `?refresh=N` seconds (at least 2) when the address says so.
+const REFRESH_MS =
+  Math.max(2, Number(new URLSearchParams(window.location.search).get("refresh")) || 30) * 1000;
 // Range -> bucket width and count, within /v1/usage's limits (1m: 1440, 1h: 168, 1d: 31).
 const RANGES = {
   "1h": { width: "1m", seconds: 60, buckets: 60 },

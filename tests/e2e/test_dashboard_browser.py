@@ -329,6 +329,28 @@ def test_a_tenant_sees_its_own_totals_in_every_chart_and_range(
         assert "beta" not in _visible_names(page)
 
 
+def test_the_page_refreshes_by_itself(page: Any, board: Board) -> None:
+    page.wait_for_selector("#sign-in-form")  # the first load has asked /v1/me and settled
+    page.goto(f"{board.server.url}/dashboard?refresh=2")
+    _sign_in(page, board.keys["alpha:usage"])
+    _wait_loaded(page)
+    before = int(page.get_attribute("#kpi-requests", "data-value"))
+    db = Database(f"sqlite:///{board.server.home / 'hotpool.db'}")
+    try:
+        alpha = TenantStore(db).by_name("alpha")
+        assert alpha is not None
+        rec = UsageRecord("late-arrival", "alpha-chat", "completions", "completed", 7, 3,
+                          tenant_id=alpha.id)  # fmt: skip
+        Ledger(db).record(rec)
+    finally:
+        db.dispose()
+    # No click: the next refresh (within 2 s) shows the new request.
+    page.wait_for_function(
+        f"() => Number(document.getElementById('kpi-requests').dataset.value) === {before + 1}",
+        timeout=15000,
+    )
+
+
 def test_tenant_b_never_sees_tenant_a(page: Any, board: Board) -> None:
     _sign_in(page, board.keys["beta:usage"])
     _wait_loaded(page)
@@ -360,3 +382,22 @@ def test_admin_sees_every_tenant_and_can_filter_by_one(page: Any, board: Board) 
     page.reload()
     page.wait_for_selector("#sign-in-form")
     assert page.is_hidden("#board")
+
+
+def test_local_only_mode_needs_no_key_and_says_so(
+    browser: Any, tmp_path: Path, smollm2_snapshot_bf16: Path
+) -> None:
+    """What `make run` users see: no sign-in, the board, and a warning that keys are off."""
+    env = {"HOTPOOL_AUTH": "none", "HOTPOOL_WARM_WORKERS": "0"}
+    with running_server(tmp_path, f"file://{smollm2_snapshot_bf16}", env) as server:
+        context = browser.new_context()
+        page = context.new_page()
+        problems: list[str] = []
+        page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page.goto(f"{server.url}/dashboard")
+        _wait_loaded(page)
+        assert page.is_visible("#local-mode") and page.is_hidden("#sign-in")
+        assert page.get_attribute("#kpi-requests", "data-value") == "0"
+        context.close()
+    assert problems == []
