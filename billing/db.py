@@ -125,6 +125,12 @@ class Database:
     def _run(self, fn: Any, revision: str) -> None:
         config = self.alembic_config()
         with self.engine.begin() as connection:
+            if self.is_sqlite:
+                # pysqlite opens a transaction only before DML, so each DDL statement would
+                # commit on its own and a failed migration would leave half a schema behind.
+                # An explicit BEGIN makes the whole run one transaction (SQLite's DDL is
+                # transactional); IMMEDIATE also makes concurrent migrators wait their turn.
+                connection.exec_driver_sql("BEGIN IMMEDIATE")
             config.attributes["connection"] = connection
             fn(config, revision)
 

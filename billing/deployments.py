@@ -8,12 +8,19 @@ from dataclasses import dataclass, fields, replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import case, delete, or_, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from hotpool.billing.db import Database
-from hotpool.billing.models import DEFAULT_TENANT_ID, DTYPES, Deployment, utcnow
+from hotpool.billing.models import (
+    DEFAULT_TENANT_ID,
+    DTYPES,
+    Deployment,
+    DeploymentVersion,
+    utcnow,
+)
+from hotpool.billing.versions import VersionRecord, changes_json, version_record
 
 NAME_MAX_LEN = 128
 MIN_MAX_MODEL_LEN = 16
@@ -21,7 +28,10 @@ MIN_KV_CACHE_BYTES = 1 << 20
 # What a replica loads: a change to any of these needs new replicas (a new generation).
 REPLICA_FIELDS = ("snapshot_uri", "dtype", "max_model_len", "kv_cache_bytes")
 # Fields the store owns or that identify the deployment: update() cannot change them.
-FIXED_FIELDS = frozenset({"name", "tenant_id", "created_at", "generation"})
+FIXED_FIELDS = frozenset(
+    {"name", "tenant_id", "created_at", "generation", "canary_version", "canary_percent",
+     "previous_version"}
+)  # fmt: skip
 
 
 class DeploymentExists(Exception):
@@ -40,6 +50,19 @@ class DeploymentNotFound(Exception):
         self.name = name
 
 
+class VersionNotFound(Exception):
+    """The deployment has no such version."""
+
+    def __init__(self, name: str, version: int) -> None:
+        super().__init__(f"deployment {name!r} has no version {version}")
+        self.name = name
+        self.version = version
+
+
+class VersionConflict(Exception):
+    """A version change that cannot apply to the deployment as it is (its message says why)."""
+
+
 @dataclass(frozen=True)
 class DeploymentSpec:
     """What a user asks for when deploying a model; invalid values raise ValueError.
@@ -50,8 +73,11 @@ class DeploymentSpec:
     (the context length cap).
 
     ``created_at`` and ``generation`` are set by the store and ignored when a spec is
-    written; ``generation`` starts at 1 and goes up by one each time an update changes what
-    replicas run (see :func:`runs_differently`).
+    written. ``generation`` is the number of the *stable* version: every change of what
+    replicas run (see :func:`runs_differently`) creates a new numbered version
+    (:class:`~hotpool.billing.versions.VersionRecord`). While a canary runs,
+    ``canary_version`` takes ``canary_percent`` percent of the requests;
+    ``previous_version`` is the stable version a rollback returns to.
     """
 
     name: str
@@ -68,6 +94,9 @@ class DeploymentSpec:
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
     generation: int = 1
+    canary_version: int | None = None
+    canary_percent: float | None = None
+    previous_version: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > NAME_MAX_LEN:
@@ -115,6 +144,41 @@ class DeploymentSpec:
             )
         if not _int_at_least(self.generation, 1):
             raise ValueError(f"generation must be an integer >= 1, got {self.generation!r}")
+        if (self.canary_version is None) != (self.canary_percent is None):
+            raise ValueError("canary_version and canary_percent go together")
+        if self.canary_version is not None:
+            check_percent(self.canary_percent)
+            if not _int_at_least(self.canary_version, 1):
+                raise ValueError(f"canary_version must be an integer >= 1, got "
+                                 f"{self.canary_version!r}")  # fmt: skip
+            if self.canary_version == self.generation:
+                raise ValueError(f"version {self.generation} is already the stable version")
+
+    def at_version(self, v: VersionRecord) -> DeploymentSpec:
+        """This deployment as replicas of version ``v`` run it: ``v``'s snapshot and engine
+        options, with ``generation`` set to ``v``'s number (replicas carry it)."""
+        return replace(
+            self,
+            snapshot_uri=v.snapshot_uri,
+            dtype=v.dtype,
+            max_model_len=v.max_model_len,
+            kv_cache_bytes=v.kv_cache_bytes,
+            generation=v.version,
+            canary_version=None,
+            canary_percent=None,
+        )
+
+
+def check_percent(percent: object) -> float:
+    """``percent`` as a float if it is a number from 0 to 100, else ValueError."""
+    if (
+        isinstance(percent, bool)
+        or not isinstance(percent, int | float)
+        or not math.isfinite(percent)
+        or not 0 <= percent <= 100
+    ):
+        raise ValueError(f"percent must be a number from 0 to 100, got {percent!r}")
+    return float(percent)
 
 
 def runs_differently(old: DeploymentSpec, new: DeploymentSpec) -> bool:
@@ -132,12 +196,15 @@ class DeploymentStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def create(self, spec: DeploymentSpec) -> DeploymentSpec:
-        """Store a new deployment; raises DeploymentExists if the name is taken."""
-        row = Deployment(**_values(spec))
+    def create(self, spec: DeploymentSpec, created_by: str | None = None) -> DeploymentSpec:
+        """Store a new deployment (its version 1); raises DeploymentExists if the name is
+        taken."""
+        row = Deployment(**_values(spec), generation=1)
         try:
             with self.db.session() as session, session.begin():
                 session.add(row)
+                session.flush()
+                session.add(_version_row(row, 1, created_by, None))
         except IntegrityError as exc:
             # The unique name decides, so two concurrent creates cannot both succeed.
             if self.get(spec.name) is not None:
@@ -156,32 +223,164 @@ class DeploymentStore:
         with self.db.session() as session:
             return [_spec(row) for row in session.scalars(stmt)]
 
-    def update(self, name: str, /, **changes: Any) -> DeploymentSpec:
+    def update(self, name: str, /, created_by: str | None = None, **changes: Any) -> DeploymentSpec:
         """Change some settings of deployment ``name`` and return its new spec.
 
         ``changes`` are spec fields other than those in :data:`FIXED_FIELDS` (anything else
         raises TypeError); the result is validated as a whole (ValueError, nothing written).
-        The generation goes up by one when the change :func:`runs_differently`. Raises
-        DeploymentNotFound if there is no such deployment. Concurrent updates serialize: each
-        applies its changes to the row as the previous one left it.
+        A change that :func:`runs_differently` creates a new version and makes it the stable
+        one at once (the old stable becomes ``previous_version``). Raises DeploymentNotFound
+        if there is no such deployment. Concurrent updates serialize: each applies its
+        changes to the row as the previous one left it.
         """
-        unknown = sorted(set(changes) - set(UPDATABLE_FIELDS))
-        if unknown:
-            raise TypeError(
-                f"cannot update {', '.join(map(repr, unknown))}; updatable fields:"
-                f" {', '.join(UPDATABLE_FIELDS)}"
-            )
+        _check_updatable(changes)
         with self.db.session() as session, session.begin():
             row = self._read_for_update(session, name)
             old = _spec(row)
             new = replace(old, **changes)
             if runs_differently(old, new):
-                new = replace(new, generation=old.generation + 1)
-            for key, value in _values(new).items():
-                setattr(row, key, value)
-            row.generation = new.generation
-            row.updated_at = utcnow()
+                version = self._next_version(session, row)
+                session.add(_version_row(row, version, created_by, _diff(old, new), new))
+                new = replace(new, generation=version, previous_version=old.generation)
+                if new.canary_version is not None and new.canary_version == version:
+                    new = replace(new, canary_version=None, canary_percent=None)
+            self._write(row, new)
         return _spec(row)
+
+    def add_canary(
+        self,
+        name: str,
+        percent: float,
+        created_by: str | None = None,
+        **changes: Any,
+    ) -> DeploymentSpec:
+        """A new version from the stable one with ``changes`` (what replicas run only), sent
+        ``percent`` percent of the requests; the stable version stays. VersionConflict if
+        the changes run nothing different."""
+        percent = check_percent(percent)
+        unknown = sorted(set(changes) - set(REPLICA_FIELDS))
+        if unknown:
+            raise TypeError(f"a canary changes only {', '.join(REPLICA_FIELDS)}, not {unknown[0]}")
+        with self.db.session() as session, session.begin():
+            row = self._read_for_update(session, name)
+            old = _spec(row)
+            new = replace(old, **changes)
+            if not runs_differently(old, new):
+                raise VersionConflict(
+                    "the canary would run what the stable version runs; change the snapshot"
+                    " or an engine option"
+                )
+            version = self._next_version(session, row)
+            session.add(_version_row(row, version, created_by, _diff(old, new), new))
+            self._write(row, replace(old, canary_version=version, canary_percent=percent))
+        return _spec(row)
+
+    def set_canary(self, name: str, version: int | None, percent: float | None) -> DeploymentSpec:
+        """Send ``percent`` percent of the requests to an existing ``version`` (None: end the
+        canary, all traffic to the stable version). VersionNotFound, VersionConflict."""
+        with self.db.session() as session, session.begin():
+            row = self._read_for_update(session, name)
+            old = _spec(row)
+            if version is None:
+                new = replace(old, canary_version=None, canary_percent=None)
+            else:
+                percent = check_percent(percent)
+                if self._version(session, row, version) is None:
+                    raise VersionNotFound(name, version)
+                if version == old.generation:
+                    raise VersionConflict(f"version {version} is the stable version already")
+                new = replace(old, canary_version=version, canary_percent=percent)
+            self._write(row, new)
+        return _spec(row)
+
+    def promote(self, name: str) -> DeploymentSpec:
+        """Make the canary the stable version (the old stable becomes ``previous_version``).
+        VersionConflict without a canary."""
+        with self.db.session() as session, session.begin():
+            row = self._read_for_update(session, name)
+            old = _spec(row)
+            if old.canary_version is None:
+                raise VersionConflict(f"deployment {name!r} has no canary to promote")
+            self._make_stable(session, row, old, old.canary_version)
+        return _spec(row)
+
+    def rollback(self, name: str) -> DeploymentSpec:
+        """All traffic back to the previous stable version: during a canary, the stable
+        version (the canary ends); otherwise ``previous_version`` becomes stable again.
+        VersionConflict when there is nothing to return to."""
+        with self.db.session() as session, session.begin():
+            row = self._read_for_update(session, name)
+            old = _spec(row)
+            if old.canary_version is not None:
+                self._write(row, replace(old, canary_version=None, canary_percent=None))
+            elif old.previous_version is not None:
+                self._make_stable(session, row, old, old.previous_version)
+            else:
+                raise VersionConflict(
+                    f"deployment {name!r} has no canary and no previous version to roll back to"
+                )
+        return _spec(row)
+
+    def versions(self, name: str) -> list[VersionRecord]:
+        """Every version of deployment ``name``, oldest first; DeploymentNotFound."""
+        with self.db.session() as session:
+            row = session.scalar(select(Deployment).where(Deployment.name == name))
+            if row is None:
+                raise DeploymentNotFound(name)
+            stmt = (
+                select(DeploymentVersion)
+                .where(DeploymentVersion.deployment_id == row.id)
+                .order_by(DeploymentVersion.version)
+            )
+            return [version_record(name, v) for v in session.scalars(stmt)]
+
+    def version(self, name: str, version: int) -> VersionRecord:
+        """One version of deployment ``name``; DeploymentNotFound, VersionNotFound."""
+        with self.db.session() as session:
+            row = session.scalar(select(Deployment).where(Deployment.name == name))
+            if row is None:
+                raise DeploymentNotFound(name)
+            found = self._version(session, row, version)
+            if found is None:
+                raise VersionNotFound(name, version)
+            return version_record(name, found)
+
+    def _make_stable(
+        self, session: Session, row: Deployment, old: DeploymentSpec, version: int
+    ) -> None:
+        v = self._version(session, row, version)
+        if v is None:
+            raise VersionNotFound(old.name, version)
+        new = replace(
+            old.at_version(version_record(old.name, v)),
+            previous_version=old.generation,
+            canary_version=None,
+            canary_percent=None,
+        )
+        self._write(row, new)
+
+    def _write(self, row: Deployment, new: DeploymentSpec) -> None:
+        for key, value in _values(new).items():
+            setattr(row, key, value)
+        row.generation = new.generation
+        row.canary_version = new.canary_version
+        row.canary_percent = new.canary_percent
+        row.previous_version = new.previous_version
+        row.updated_at = utcnow()
+
+    def _next_version(self, session: Session, row: Deployment) -> int:
+        # Under the row lock taken by _read_for_update: no other writer picks the same one.
+        stmt = select(func.max(DeploymentVersion.version)).where(
+            DeploymentVersion.deployment_id == row.id
+        )
+        return int(session.scalar(stmt) or 0) + 1
+
+    def _version(self, session: Session, row: Deployment, version: int) -> DeploymentVersion | None:
+        return session.scalar(
+            select(DeploymentVersion).where(
+                DeploymentVersion.deployment_id == row.id, DeploymentVersion.version == version
+            )
+        )
 
     def _read_for_update(self, session: Session, name: str) -> Deployment:
         """The row of ``name``, locked against other writers until the transaction ends."""
@@ -196,25 +395,20 @@ class DeploymentStore:
             raise DeploymentNotFound(name)
         return row
 
-    def upsert(self, spec: DeploymentSpec) -> DeploymentSpec:
+    def upsert(self, spec: DeploymentSpec, created_by: str | None = None) -> DeploymentSpec:
         """Create the deployment or replace its settings, keeping its ``created_at``.
 
-        A replacement that :func:`runs_differently` bumps the generation, as update() does.
+        A replacement that :func:`runs_differently` creates a version, as update() does.
         """
-        now = utcnow()
-        values = _values(spec)
-        stmt = self.db.insert(Deployment).values(**values, created_at=now, updated_at=now)
-        changed = or_(
-            *(getattr(Deployment, f).is_distinct_from(stmt.excluded[f]) for f in REPLICA_FIELDS)
-        )
-        generation = case((changed, Deployment.generation + 1), else_=Deployment.generation)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[Deployment.name],
-            set_={**values, "generation": generation, "updated_at": now},
-        ).returning(Deployment)
-        with self.db.session() as session, session.begin():
-            row = session.scalars(stmt).one()
-            return _spec(row)
+        changes = {f: getattr(spec, f) for f in UPDATABLE_FIELDS}
+        try:
+            return self.update(spec.name, created_by=created_by, **changes)
+        except DeploymentNotFound:
+            pass
+        try:
+            return self.create(spec, created_by=created_by)
+        except DeploymentExists:  # created meanwhile by someone else: replace its settings
+            return self.update(spec.name, created_by=created_by, **changes)
 
     def delete(self, name: str) -> None:
         """Remove a deployment; raises DeploymentNotFound if there is none. Usage is kept."""
@@ -222,6 +416,44 @@ class DeploymentStore:
             result = conn.execute(delete(Deployment).where(Deployment.name == name))
         if result.rowcount == 0:
             raise DeploymentNotFound(name)
+
+
+def _check_updatable(changes: dict[str, Any]) -> None:
+    unknown = sorted(set(changes) - set(UPDATABLE_FIELDS))
+    if unknown:
+        raise TypeError(
+            f"cannot update {', '.join(map(repr, unknown))}; updatable fields:"
+            f" {', '.join(UPDATABLE_FIELDS)}"
+        )
+
+
+def _diff(old: DeploymentSpec, new: DeploymentSpec) -> dict[str, list[Any]]:
+    """What a new version changes: {field: [old, new]} over what replicas run."""
+    return {
+        f: [getattr(old, f), getattr(new, f)]
+        for f in REPLICA_FIELDS
+        if getattr(old, f) != getattr(new, f)
+    }
+
+
+def _version_row(
+    row: Deployment,
+    version: int,
+    created_by: str | None,
+    changes: dict[str, list[Any]] | None,
+    spec: DeploymentSpec | None = None,
+) -> DeploymentVersion:
+    source: Any = spec if spec is not None else row
+    return DeploymentVersion(
+        deployment_id=row.id,
+        version=version,
+        snapshot_uri=source.snapshot_uri,
+        dtype=source.dtype,
+        max_model_len=source.max_model_len,
+        kv_cache_bytes=source.kv_cache_bytes,
+        created_by=created_by,
+        changes=changes_json(changes),
+    )
 
 
 def _int_at_least(value: object, minimum: int) -> bool:
@@ -263,4 +495,7 @@ def _spec(row: Deployment) -> DeploymentSpec:
         max_model_len=row.max_model_len,
         kv_cache_bytes=row.kv_cache_bytes,
         generation=row.generation,
+        canary_version=row.canary_version,
+        canary_percent=row.canary_percent,
+        previous_version=row.previous_version,
     )

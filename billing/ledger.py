@@ -65,6 +65,7 @@ class UsageRecord:
     created_at: datetime | None = None
     api_key_id: int | None = None
     client_request_id: str | None = None
+    version: int | None = None  # the deployment version that served it
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > REQUEST_ID_MAX_LEN:
@@ -73,6 +74,10 @@ class UsageRecord:
             raise ValueError("deployment must not be empty")
         if not self.endpoint:
             raise ValueError("endpoint must not be empty")
+        if self.version is not None and (
+            isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1
+        ):
+            raise ValueError(f"version must be an integer >= 1 or None, got {self.version!r}")
         if self.status not in STATUSES:
             raise ValueError(f"status {self.status!r} is not one of {', '.join(STATUSES)}")
         _check_counts(self.prompt_tokens, self.cached_tokens, self.completion_tokens)
@@ -281,6 +286,7 @@ _FIELDS = (
     "cold_start",
     "error",
     "client_request_id",
+    "version",
 )
 
 

@@ -131,6 +131,9 @@ class Deployment(Base):
         CheckConstraint("max_model_len >= 16", name="max_model_len_min"),
         CheckConstraint("kv_cache_bytes >= 1048576", name="kv_cache_bytes_min"),
         CheckConstraint("generation >= 1", name="generation_positive"),
+        CheckConstraint(
+            "canary_percent >= 0 AND canary_percent <= 100", name="canary_percent_range"
+        ),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -147,8 +150,37 @@ class Deployment(Base):
     max_model_len: Mapped[int | None] = mapped_column(Integer)
     kv_cache_bytes: Mapped[int | None] = mapped_column(BigInteger)
     generation: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # Versions (see DeploymentVersion): ``generation`` is the stable version's number; a
+    # canary version takes ``canary_percent`` of the requests; ``previous_version`` is the
+    # stable version before the last promote, roll-out or rollback (what a rollback restores).
+    canary_version: Mapped[int | None] = mapped_column(Integer)
+    canary_percent: Mapped[float | None] = mapped_column(Float)
+    previous_version: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+
+
+class DeploymentVersion(Base):
+    """An immutable, numbered version of what a deployment's replicas run: a snapshot and
+    engine options. Every change of those creates one; who made it, when and what changed
+    (JSON ``{"field": [old, new]}``) are kept. Removed with the deployment."""
+
+    __tablename__ = "deployment_versions"
+    __table_args__ = (
+        UniqueConstraint("deployment_id", "version"),
+        CheckConstraint("version >= 1", name="version_positive"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(Integer)
+    snapshot_uri: Mapped[str] = mapped_column(Text)
+    dtype: Mapped[str | None] = mapped_column(String(8))
+    max_model_len: Mapped[int | None] = mapped_column(Integer)
+    kv_cache_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    created_by: Mapped[str | None] = mapped_column(String(64))
+    changes: Mapped[str | None] = mapped_column(Text)
 
 
 class Price(Base):
@@ -249,6 +281,8 @@ class UsageEvent(Base):
     # ledger is append-only), and why it was corrected.
     corrects_id: Mapped[int | None] = mapped_column(BigInteger, index=True)
     reason: Mapped[str | None] = mapped_column(Text)
+    # The deployment version that served the request (None: before versions existed).
+    version: Mapped[int | None] = mapped_column(Integer)
 
 
 class ScaleEvent(Base):

@@ -33,7 +33,7 @@ BUCKET_WIDTHS: dict[str, timedelta] = {
     "1d": timedelta(days=1),
 }
 # What usage can be grouped by, besides the time bucket.
-GROUPS = ("deployment", "api_key")
+GROUPS = ("deployment", "api_key", "version")
 
 _PG_UNITS = {"1m": "minute", "1h": "hour", "1d": "day"}
 # Same text layout as SQLAlchemy's SQLite DATETIME, so the result type can parse it.
@@ -61,6 +61,7 @@ class UsageBucketRow:
     api_key: str | None = None
     cost_micros: int | None = None
     currency: str | None = None
+    version: int | None = None  # grouped by version: the deployment version that served
 
     @property
     def total_tokens(self) -> int:
@@ -153,6 +154,8 @@ def usage_buckets(
     if "api_key" in group_by:
         groups["api_key_id"] = UsageEvent.api_key_id
         groups["api_key"] = ApiKey.prefix
+    if "version" in group_by:
+        groups["version"] = UsageEvent.version
     stmt = (
         select(*(col.label(name) for name, col in groups.items()), *_sums())
         .where(UsageEvent.created_at >= start, UsageEvent.created_at < end)
@@ -173,13 +176,21 @@ def usage_buckets(
                 deployment=row.deployment if "deployment" in groups else None,
                 api_key_id=row.api_key_id if "api_key" in groups else None,
                 api_key=row.api_key if "api_key" in groups else None,
+                version=row.version if "version" in groups else None,
                 **_sums_of(row),
             )
             for row in conn.execute(stmt)
         ]
     # Sorted here: SQLite and PostgreSQL put NULLs (no key) at opposite ends.
     return sorted(
-        rows, key=lambda r: (r.start, r.deployment or "", r.api_key or "", r.api_key_id or 0)
+        rows,
+        key=lambda r: (
+            r.start,
+            r.deployment or "",
+            r.api_key or "",
+            r.api_key_id or 0,
+            r.version or 0,
+        ),
     )
 
 

@@ -77,14 +77,16 @@ def percentile(
     *,
     deployment: str,
     tenant_id: int | None = None,
+    version: int | None = None,
 ) -> float | None:
     """Nearest-rank ``q`` percentile of ``column`` (a UsageEvent timing) over one deployment's
-    requests in [start, end) that have it; None when none has."""
+    requests in [start, end) that have it (of one ``version`` if given); None when none has."""
     if not 0 < q <= 1:
         raise ValueError(f"q must be in (0, 1], got {q}")
-    base = _range(select(func.count()), start, end, tenant_id).where(
-        UsageEvent.deployment == deployment, column.is_not(None)
-    )
+    where = [UsageEvent.deployment == deployment, column.is_not(None)]
+    if version is not None:
+        where.append(UsageEvent.version == version)
+    base = _range(select(func.count()), start, end, tenant_id).where(*where)
     with db.engine.connect() as conn:
         n = int(conn.execute(base.select_from(UsageEvent)).scalar_one())
         if n == 0:
@@ -92,7 +94,7 @@ def percentile(
         rank = math.ceil(q * n) - 1  # nearest rank, 0-based
         stmt = (
             _range(select(column), start, end, tenant_id)
-            .where(UsageEvent.deployment == deployment, column.is_not(None))
+            .where(*where)
             .order_by(column)
             .offset(rank)
             .limit(1)
@@ -141,3 +143,77 @@ def deployment_stats(
             )
         )
     return stats
+
+
+@dataclass(frozen=True)
+class VersionStats:
+    """One deployment version's requests in a range: counts by status, tokens, and latency
+    percentiles in seconds (None without a timed request)."""
+
+    version: int | None
+    requests: dict[str, int]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_p50: float | None
+    ttft_p95: float | None
+    total_p50: float | None
+    total_p95: float | None
+
+
+def version_stats(
+    db: Database,
+    start: datetime,
+    end: datetime,
+    *,
+    deployment: str,
+    tenant_id: int | None = None,
+) -> list[VersionStats]:
+    """Per version of ``deployment`` that served requests in [start, end), by version: what
+    a canary is judged on, side by side with the stable version."""
+    stmt = _range(
+        select(UsageEvent.version, UsageEvent.status, func.count()).group_by(
+            UsageEvent.version, UsageEvent.status
+        ),
+        start,
+        end,
+        tenant_id,
+    ).where(UsageEvent.deployment == deployment)
+    # Token sums include corrections (corrected totals), as every usage sum does.
+    tokens = (
+        select(
+            UsageEvent.version,
+            func.coalesce(func.sum(UsageEvent.prompt_tokens), 0),
+            func.coalesce(func.sum(UsageEvent.cached_tokens), 0),
+            func.coalesce(func.sum(UsageEvent.completion_tokens), 0),
+        )
+        .where(
+            UsageEvent.deployment == deployment,
+            UsageEvent.created_at >= start,
+            UsageEvent.created_at < end,
+        )
+        .group_by(UsageEvent.version)
+    )
+    if tenant_id is not None:
+        tokens = tokens.where(UsageEvent.tenant_id == tenant_id)
+    counts: dict[int | None, dict[str, int]] = {}
+    with db.engine.connect() as conn:
+        for version, status, n in conn.execute(stmt):
+            counts.setdefault(version, dict.fromkeys(STATUSES, 0))[status] = int(n)
+        sums = {v: (int(p), int(c), int(o)) for v, p, c, o in conn.execute(tokens)}
+    out = []
+    for version in sorted(counts, key=lambda v: v or 0):
+        timed: dict[str, float | None] = {}
+        for label, column in (
+            ("ttft", UsageEvent.ttft_seconds),
+            ("total", UsageEvent.total_seconds),
+        ):
+            for q in PERCENTILES:
+                # Requests from before versions existed (NULL) get no percentiles of their own.
+                timed[f"{label}_p{round(q * 100)}"] = None if version is None else percentile(
+                    db, column, q, start, end, deployment=deployment, tenant_id=tenant_id,
+                    version=version,
+                )  # fmt: skip
+        p, c, o = sums.get(version, (0, 0, 0))
+        out.append(VersionStats(version, counts[version], p, c, o, **timed))
+    return out
