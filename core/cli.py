@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-import httpx
 
 from hotpool import __version__
+from hotpool.cli_common import api_url as _api_url
+from hotpool.cli_common import call_api as _call
 from hotpool.cli_common import print_table
 from hotpool.cli_common import settings_or_exit as _settings
 from hotpool.cli_common import snapshot_uri as _snapshot_uri
@@ -19,31 +20,8 @@ from hotpool.cli_keys import keys, tenants
 from hotpool.cli_ledger import ledger
 from hotpool.cli_prices import prices
 from hotpool.cli_snapshot import models, snapshot
+from hotpool.cli_versions import describe, promote, rollback, versions
 from hotpool.logs import configure as configure_logs
-
-
-def _api_url(url: str | None) -> str:
-    if url:
-        return url.rstrip("/")
-    return f"http://127.0.0.1:{_settings().port}"
-
-
-def _call(method: str, url: str, **kwargs: Any) -> Any:
-    try:
-        r = httpx.request(method, url, timeout=httpx.Timeout(600.0, connect=5.0), **kwargs)
-    except (httpx.ConnectError, httpx.ConnectTimeout):
-        raise click.ClickException(
-            f"cannot reach hotpool at {url}; is `hotpool serve` running?"
-        ) from None
-    except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
-        raise click.ClickException(f"invalid hotpool URL {url}: {exc}") from None
-    if r.status_code >= 400:
-        try:
-            message = r.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = r.text
-        raise click.ClickException(f"{r.status_code}: {message}")
-    return r.json()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -174,28 +152,41 @@ def worker(
     "--snapshot", required=True, help="Snapshot URI, or a name in the local object store."
 )
 @click.option("--idle-timeout", type=float, help="Seconds without requests before scaling to zero.")
-@click.option("--min-replicas", type=int, default=0, show_default=True)
-@click.option("--max-replicas", type=int, default=1, show_default=True)
+@click.option("--min-replicas", type=int, help="Default 0 for a new deployment.")
+@click.option("--max-replicas", type=int, help="Default 1 for a new deployment.")
+@click.option(
+    "--canary",
+    type=click.FloatRange(0, 100),
+    help="Percent of requests for this snapshot as a canary of existing deployment NAME"
+    " (the stable version keeps the rest; `hotpool promote` or `hotpool rollback` ends it).",
+)
 @click.option("--url", help="hotpool API (default http://127.0.0.1:$HOTPOOL_PORT).")
 def deploy(
     name: str,
     snapshot: str,
     idle_timeout: float | None,
-    min_replicas: int,
-    max_replicas: int,
+    min_replicas: int | None,
+    max_replicas: int | None,
+    canary: float | None,
     url: str | None,
 ) -> None:
-    """Create deployment NAME serving a snapshot."""
-    body: dict[str, Any] = {
-        "name": name,
-        "snapshot_uri": _snapshot_uri(_settings(), snapshot),
-        "min_replicas": min_replicas,
-        "max_replicas": max_replicas,
-    }
-    if idle_timeout is not None:
-        body["idle_timeout_s"] = idle_timeout
-    out = _call("POST", f"{_api_url(url)}/v1/deployments", json=body)
-    click.echo(f"deployed {out['name']} from {out['snapshot_uri']}")
+    """Create deployment NAME serving a snapshot, or give an existing one a new version:
+    rolled out to all its traffic, or with --canary to a share of it."""
+    base = f"{_api_url(url)}/v1/deployments"
+    body: dict[str, Any] = {"snapshot_uri": _snapshot_uri(_settings(), snapshot)}
+    for field, value in (("min_replicas", min_replicas), ("max_replicas", max_replicas),
+                         ("idle_timeout_s", idle_timeout)):  # fmt: skip
+        if value is not None:
+            body[field] = value
+    if canary is not None:
+        out = _call("PATCH", f"{base}/{name}", json={**body, "canary": {"percent": canary}})
+        click.echo(describe(out))
+    elif _call("GET", f"{base}/{name}", missing_ok=True) is not None:
+        out = _call("PATCH", f"{base}/{name}", json=body)
+        click.echo(f"rolled out version {out['version']} of {name} from {out['snapshot_uri']}")
+    else:
+        out = _call("POST", base, json={"name": name, **body})
+        click.echo(f"deployed {out['name']} from {out['snapshot_uri']}")
 
 
 @main.command()
@@ -313,3 +304,6 @@ main.add_command(tenants)
 main.add_command(keys)
 main.add_command(prices)
 main.add_command(ledger)
+main.add_command(promote)
+main.add_command(rollback)
+main.add_command(versions)

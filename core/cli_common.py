@@ -6,9 +6,10 @@ import contextlib
 import sys
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
+import httpx
 
 from hotpool.settings import Settings, SettingsError, load_settings
 
@@ -79,3 +80,32 @@ def utc_time(value: str | None, option: str) -> datetime | None:
             param_hint=option,
         ) from None
     return at.replace(tzinfo=UTC) if at.tzinfo is None else at
+
+
+def api_url(url: str | None) -> str:
+    """The hotpool API's base URL: ``url``, or this machine's server."""
+    if url:
+        return url.rstrip("/")
+    return f"http://127.0.0.1:{settings_or_exit().port}"
+
+
+def call_api(method: str, url: str, missing_ok: bool = False, **kwargs: Any) -> Any:
+    """One API call; its JSON answer, or a ClickException with the API's error message
+    (``missing_ok``: None for a 404)."""
+    try:
+        r = httpx.request(method, url, timeout=httpx.Timeout(600.0, connect=5.0), **kwargs)
+    except (httpx.ConnectError, httpx.ConnectTimeout):
+        raise click.ClickException(
+            f"cannot reach hotpool at {url}; is `hotpool serve` running?"
+        ) from None
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+        raise click.ClickException(f"invalid hotpool URL {url}: {exc}") from None
+    if r.status_code == 404 and missing_ok:
+        return None
+    if r.status_code >= 400:
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text
+        raise click.ClickException(f"{r.status_code}: {message}")
+    return r.json()

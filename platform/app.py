@@ -71,7 +71,11 @@ def build_services(
     router = Router(pool, settings.max_queue, settings.queue_timeout_s)
     metrics.queued = router.queued
     autoscaler = Autoscaler(
-        pool, catalog.all, router.queued, scale_down_window_s=settings.scale_down_window_s
+        pool,
+        catalog.all,
+        router.queued_for,
+        scale_down_window_s=settings.scale_down_window_s,
+        canary_of=catalog.canary_of,
     )
     router.on_demand = autoscaler.wake
     ledger = Ledger(db)

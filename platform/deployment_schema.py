@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hotpool.billing.deployments import DeploymentSpec
+from hotpool.billing.deployments import REPLICA_FIELDS, DeploymentSpec
 from hotpool.platform.errors import APIError, invalid, json_object
 from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES
 
@@ -107,17 +107,76 @@ def parse_deployment(body: Any, default_idle_timeout_s: float) -> DeploymentSpec
     return _spec(DeploymentSpec, {"name": name, **values})
 
 
-def parse_update(body: Any, current: DeploymentSpec) -> dict[str, Any]:
+@dataclass(frozen=True)
+class CanaryChange:
+    """The ``canary`` of a ``PATCH``: ``version`` None with ``percent`` means "the new
+    version this PATCH makes"; ``clear`` ends the canary."""
+
+    version: int | None = None
+    percent: float | None = None
+    clear: bool = False
+
+
+@dataclass(frozen=True)
+class Update:
+    changes: dict[str, Any]  # spec fields
+    canary: CanaryChange | None = None
+
+
+def parse_update(body: Any, current: DeploymentSpec) -> Update:
     """The changes of a ``PATCH`` body, checked against ``current`` as a whole (``name``
-    cannot change; ``null`` resets an optional field to the server's default)."""
-    body = json_object(body, {"name", *PARSERS})
+    cannot change; ``null`` resets an optional field to the server's default).
+
+    ``canary``: ``{"version": N, "percent": P}`` sends P% of requests to existing version N;
+    ``{"percent": P}`` with new snapshot or engine options makes them a new canary version
+    (instead of rolling them out to everyone); ``null`` ends the canary."""
+    body = json_object(body, {"name", "canary", *PARSERS})
     if "name" in body and body["name"] != current.name:
         raise invalid("a deployment cannot be renamed; create a new one", "name")
-    changes = {f: PARSERS[f](v) for f, v in body.items() if f != "name"}
-    if not changes:
-        raise invalid(f"nothing to change; settable fields: {', '.join(sorted(PARSERS))}")
+    changes = {f: PARSERS[f](v) for f, v in body.items() if f not in ("name", "canary")}
+    canary = _canary(body["canary"], changes) if "canary" in body else None
+    if not changes and canary is None:
+        settable = ", ".join(sorted([*PARSERS, "canary"]))
+        raise invalid(f"nothing to change; settable fields: {settable}")
     _spec(lambda **kw: replace(current, **kw), changes, current)
-    return changes
+    return Update(changes, canary)
+
+
+def _canary(value: Any, changes: dict[str, Any]) -> CanaryChange:
+    if value is None:
+        return CanaryChange(clear=True)
+    if not isinstance(value, dict):
+        raise invalid("`canary` must be an object {version, percent} or null", "canary")
+    unknown = sorted(set(value) - {"version", "percent"})
+    if unknown:
+        raise invalid(f"`canary` takes `version` and `percent`, not `{unknown[0]}`", "canary")
+    percent = value.get("percent")
+    if (
+        isinstance(percent, bool)
+        or not isinstance(percent, int | float)
+        or not 0 <= percent <= 100  # NaN fails too
+    ):
+        raise invalid("`canary.percent` must be a number from 0 to 100", "canary.percent")
+    version = value.get("version")
+    new = {f for f in changes if f in REPLICA_FIELDS}
+    if version is None:
+        if not new:
+            raise invalid(
+                "`canary` needs a `version`, or a new `snapshot_uri` or engine option in the"
+                " same request to make one",
+                "canary.version",
+            )
+    else:
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= MAX_INT:
+            raise invalid("`canary.version` must be a version number (an integer >= 1)",
+                          "canary.version")  # fmt: skip
+        if new:
+            raise invalid(
+                "give either `canary.version` (an existing version) or new settings for a"
+                f" new one, not both ({', '.join(sorted(new))})",
+                "canary.version",
+            )
+    return CanaryChange(version, float(percent))
 
 
 def _spec(

@@ -1,9 +1,12 @@
-"""``/v1/deployments``: create, list, inspect, update and delete deployments.
+"""``/v1/deployments``: create, list, inspect, update and delete deployments, and their
+versions.
 
 An update that changes what replicas run (snapshot, dtype, context length, KV budget)
-starts a new generation: the autoscaler brings up new replicas and drains the old ones
-once one is ready, so no request is dropped. A delete drains every replica; its usage stays
-in the ledger.
+creates a new version. By default it is rolled out at once: the autoscaler brings up new
+replicas and drains the old ones once one is ready, so no request is dropped. With
+``canary`` it takes only a share of the requests, next to the stable version, until
+``promote`` makes it stable or ``rollback`` returns all traffic to the stable version. A
+delete drains every replica; its usage stays in the ledger.
 """
 
 from __future__ import annotations
@@ -16,10 +19,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from hotpool.billing.deployments import DeploymentExists, DeploymentNotFound, DeploymentSpec
+from hotpool.billing.deployments import (
+    DeploymentExists,
+    DeploymentNotFound,
+    DeploymentSpec,
+    VersionConflict,
+    VersionNotFound,
+)
 from hotpool.billing.scale_events import ScaleEventRecord
+from hotpool.billing.versions import VersionRecord
 from hotpool.platform.auth import Principal, authorize, owned
-from hotpool.platform.deployment_schema import parse_deployment, parse_update
+from hotpool.platform.deployment_schema import REPLICA_FIELDS, parse_deployment, parse_update
 from hotpool.platform.errors import APIError, invalid
 from hotpool.platform.services import Services, read_json
 
@@ -40,6 +50,11 @@ def deployment_json(spec: DeploymentSpec, services: Services) -> dict[str, Any]:
         "name": spec.name,
         "snapshot_uri": spec.snapshot_uri,
         "generation": spec.generation,
+        "version": spec.generation,  # the stable version
+        "previous_version": spec.previous_version,
+        "canary": None
+        if spec.canary_version is None
+        else {"version": spec.canary_version, "percent": spec.canary_percent},
         "scaling": {
             "min_replicas": spec.min_replicas,
             "max_replicas": spec.max_replicas,
@@ -79,6 +94,25 @@ def _owned_or_404(services: Services, name: str, principal: Principal) -> Deploy
     return spec
 
 
+def _made_by(principal: Principal) -> str:
+    """Who made a version: the key's prefix, or `local` without keys."""
+    return principal.key.prefix if principal.key else "local"
+
+
+async def _versioned(name: str, op: Any) -> DeploymentSpec:
+    """Run a catalog operation, turning the store's errors into API errors."""
+    try:
+        return await op  # type: ignore[no-any-return]
+    except DeploymentNotFound:  # deleted meanwhile
+        raise APIError(
+            404, f"deployment {name!r} does not exist", code="deployment_not_found"
+        ) from None
+    except VersionNotFound as exc:
+        raise APIError(404, str(exc), param="canary.version", code="version_not_found") from None
+    except VersionConflict as exc:
+        raise APIError(409, str(exc), code="version_conflict") from None
+
+
 async def create_deployment(request: Request) -> Response:
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
@@ -86,7 +120,7 @@ async def create_deployment(request: Request) -> Response:
     spec = replace(spec, tenant_id=principal.tenant_id)
     _within_pool(spec.min_replicas, services)
     try:
-        created = await services.catalog.create(spec)
+        created = await services.catalog.create(spec, _made_by(principal))
     except DeploymentExists:
         raise APIError(
             409, f"deployment {spec.name!r} already exists", param="name", code="deployment_exists"
@@ -113,17 +147,88 @@ async def update_deployment(request: Request) -> Response:
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
     current = _owned_or_404(services, request.path_params["name"], principal)
-    changes = parse_update(await read_json(request), current)
+    update = parse_update(await read_json(request), current)
+    changes, canary = update.changes, update.canary
     if "min_replicas" in changes:
         _within_pool(changes["min_replicas"], services)
-    try:
-        updated = await services.catalog.update(current.name, changes)
-    except DeploymentNotFound:  # deleted meanwhile
-        raise APIError(
-            404, f"deployment {current.name!r} does not exist", code="deployment_not_found"
-        ) from None
+    catalog, name, by = services.catalog, current.name, _made_by(principal)
+    updated = current
+    if canary is not None and canary.version is None and not canary.clear:
+        # New snapshot or engine options become a canary version; the rest applies now.
+        new = {f: v for f, v in changes.items() if f in REPLICA_FIELDS}
+        rest = {f: v for f, v in changes.items() if f not in REPLICA_FIELDS}
+        if rest:
+            updated = await _versioned(name, catalog.update(name, rest, by))
+        assert canary.percent is not None
+        updated = await _versioned(name, catalog.add_canary(name, canary.percent, new, by))
+    else:
+        if changes:
+            updated = await _versioned(name, catalog.update(name, changes, by))
+        if canary is not None:
+            updated = await _versioned(
+                name, catalog.set_canary(name, canary.version, canary.percent)
+            )
     services.autoscaler.wake()  # roll over or rescale now, not at the next tick
     return JSONResponse(deployment_json(updated, services))
+
+
+async def promote_deployment(request: Request) -> Response:
+    """The canary becomes the stable version; the old stable version's replicas drain."""
+    principal = await authorize(request, "deploy")
+    services: Services = request.app.state.services
+    name = _owned_or_404(services, request.path_params["name"], principal).name
+    updated = await _versioned(name, services.catalog.promote(name))
+    services.autoscaler.wake()
+    return JSONResponse(deployment_json(updated, services))
+
+
+async def rollback_deployment(request: Request) -> Response:
+    """All traffic back to the previous stable version, at once: during a canary, the
+    stable version; otherwise the version stable before the last change."""
+    principal = await authorize(request, "deploy")
+    services: Services = request.app.state.services
+    name = _owned_or_404(services, request.path_params["name"], principal).name
+    updated = await _versioned(name, services.catalog.rollback(name))
+    services.autoscaler.wake()
+    return JSONResponse(deployment_json(updated, services))
+
+
+async def list_versions(request: Request) -> Response:
+    """``GET /v1/deployments/{name}/versions``: every version, oldest first."""
+    principal = await authorize(request, "deploy")
+    services: Services = request.app.state.services
+    spec = _owned_or_404(services, request.path_params["name"], principal)
+    try:
+        versions = await asyncio.to_thread(services.catalog.store.versions, spec.name)
+    except DeploymentNotFound:
+        raise APIError(
+            404, f"deployment {spec.name!r} does not exist", code="deployment_not_found"
+        ) from None
+    return JSONResponse({"object": "list", "data": [_version_json(v, spec) for v in versions]})
+
+
+def _version_json(v: VersionRecord, spec: DeploymentSpec) -> dict[str, Any]:
+    if v.version == spec.generation:
+        role, percent = "stable", 100.0 - (spec.canary_percent or 0.0)
+    elif v.version == spec.canary_version:
+        role, percent = "canary", spec.canary_percent
+    else:
+        role, percent = ("previous" if v.version == spec.previous_version else None), 0.0
+    return {
+        "object": "deployment.version",
+        "version": v.version,
+        "role": role,
+        "traffic_percent": percent,
+        "snapshot_uri": v.snapshot_uri,
+        "engine": {
+            "dtype": v.dtype,
+            "max_model_len": v.max_model_len,
+            "kv_cache_bytes": v.kv_cache_bytes,
+        },
+        "created_at": int(v.created_at.timestamp()) if v.created_at else None,
+        "created_by": v.created_by,
+        "changes": v.changes,
+    }
 
 
 async def delete_deployment(request: Request) -> Response:
@@ -198,4 +303,7 @@ routes = [
     Route("/v1/deployments/{name}", update_deployment, methods=["PATCH"]),
     Route("/v1/deployments/{name}", delete_deployment, methods=["DELETE"]),
     Route("/v1/deployments/{name}/events", list_scale_events, methods=["GET"]),
+    Route("/v1/deployments/{name}/versions", list_versions, methods=["GET"]),
+    Route("/v1/deployments/{name}/promote", promote_deployment, methods=["POST"]),
+    Route("/v1/deployments/{name}/rollback", rollback_deployment, methods=["POST"]),
 ]

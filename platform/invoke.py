@@ -23,7 +23,7 @@ from hotpool.platform.errors import APIError
 from hotpool.platform.inflight import OpenRequest
 from hotpool.platform.ledger_writer import LedgerWriter
 from hotpool.platform.metrics import Metrics
-from hotpool.platform.router import Lease, Router
+from hotpool.platform.router import Lease, Router, Target
 from hotpool.platform.schemas import CompletionCall
 from hotpool.worker.protocol import GenerateEvent, GenerateRequest, Usage
 
@@ -38,6 +38,19 @@ class Caller:
     api_key_id: int | None = None
     key_prefix: str | None = None
     client_request_id: str | None = None  # the client's own x-request-id, if well-formed
+
+
+@dataclass
+class Served:
+    """What served a request, filled in once a replica is leased (before the first event
+    reaches the caller): the version the response reports in ``x-hotpool-version``."""
+
+    version: int | None = None
+
+
+def version_header(served: Served) -> dict[str, str]:
+    """The response header naming the deployment version that served the request."""
+    return {} if served.version is None else {"x-hotpool-version": str(served.version)}
 
 
 MAX_RETRIES = 2  # replicas tried again for one request before its first token
@@ -70,17 +83,24 @@ class Invoker:
 
     async def generate(
         self,
-        spec: DeploymentSpec,
+        target: Target | DeploymentSpec,
         call: CompletionCall,
         request_id: str,
         caller: Caller | None = None,
+        served: Served | None = None,
     ) -> AsyncIterator[GenerateEvent]:
         """Events from the worker; raises :class:`APIError` before the first one on failure.
+
+        ``target``: the version to run it on (:meth:`Router.choose`); a bare spec is its
+        stable version. Retries stay on that version.
 
         A replica that fails before anything reached the client (its worker died, or
         refused the connection) costs the request nothing: it is retried on another
         replica, up to ``MAX_RETRIES`` times. Once a token is out, a failure ends the
         stream with an error and the ledger keeps what was delivered as ``partial``."""
+        if isinstance(target, DeploymentSpec):
+            target = Target(target, not_version=target.canary_version)
+        spec = target.spec
         tally = _Tally(n=call.params.n)
         request = GenerateRequest(request_id, call.params, call.prompt, call.messages)
         caller = caller or Caller()
@@ -96,7 +116,7 @@ class Invoker:
         try:
             while True:
                 try:
-                    async for event in self._attempt(spec, request, tally, failed):
+                    async for event in self._attempt(target, request, tally, failed, served):
                         yield event
                     break
                 except httpx.TransportError as exc:
@@ -137,9 +157,17 @@ class Invoker:
             self._account(spec, call, request_id, tally, caller)
 
     async def _attempt(
-        self, spec: DeploymentSpec, request: GenerateRequest, tally: _Tally, avoid: Lease | None
+        self,
+        target: Target,
+        request: GenerateRequest,
+        tally: _Tally,
+        avoid: Lease | None,
+        served: Served | None,
     ) -> AsyncIterator[GenerateEvent]:
-        async with self.router.lease(spec, avoid.replica if avoid else None) as lease:
+        spec = target.spec
+        async with self.router.lease(target, avoid.replica if avoid else None) as lease:
+            if served is not None:
+                served.version = lease.replica.generation
             if tally.lease is None or not tally.delivered:
                 # Queue time and cold start count from the first attempt.
                 previous = tally.lease
@@ -199,6 +227,8 @@ class Invoker:
         u = t.usage
         queue = lease.queue_seconds if lease else None
         cold = bool(lease and lease.cold_start)
+        # The version of the replica that served it (the one asked for, if none did).
+        version = lease.replica.generation if lease else spec.generation
         self.ledger.submit(
             UsageRecord(
                 request_id=request_id,
@@ -216,9 +246,10 @@ class Invoker:
                 error=t.error,
                 api_key_id=c.api_key_id,
                 client_request_id=c.client_request_id,
+                version=version,
             )
         )
-        self.metrics.observe_request(spec.name, t.status, u, t.ttft, total, queue)
+        self.metrics.observe_request(spec.name, t.status, u, t.ttft, total, queue, version)
         # One structured line per request (JSON with HOTPOOL_LOG_FORMAT=json): never the
         # prompt, the output or the key itself, only its prefix.
         requests_log.info(
@@ -227,7 +258,8 @@ class Invoker:
             extra={
                 "request_id": request_id, "client_request_id": c.client_request_id,
                 "tenant_id": spec.tenant_id, "api_key": c.key_prefix,
-                "deployment": spec.name, "endpoint": call.endpoint, "status": t.status,
+                "deployment": spec.name, "version": version, "endpoint": call.endpoint,
+                "status": t.status,
                 "prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
                 "completion_tokens": u.completion_tokens, "queue_seconds": queue,
                 "ttft_seconds": t.ttft, "total_seconds": round(total, 6),

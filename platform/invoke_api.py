@@ -25,6 +25,7 @@ from starlette.routing import Route
 from hotpool.platform.auth import authorize, caller, owned
 from hotpool.platform.choices import collect_choices
 from hotpool.platform.errors import APIError, invalid
+from hotpool.platform.invoke import Served, version_header
 from hotpool.platform.logprobs import native_logprobs
 from hotpool.platform.openai_routes import usage_json
 from hotpool.platform.schemas import Body, CompletionCall, parse_messages, sampling_params
@@ -73,13 +74,17 @@ async def invoke(request: Request) -> Response:
     if spec is None:
         raise APIError(404, f"deployment {name!r} does not exist", code="deployment_not_found")
     request_id: str = request.scope["state"]["request_id"]
-    events = services.invoker.generate(spec, call, request_id, caller(request, principal))
+    target = services.router.choose(spec, services.catalog.canary_of(spec), call.user)
+    served = Served()
+    events = services.invoker.generate(target, call, request_id, caller(request, principal), served)
     first = await anext(events)  # queueing, cold start and validation errors surface here
+    headers = version_header(served)
     want_logprobs = call.params.logprobs is not None
     if call.stream:
         return StreamingResponse(
             _ndjson(call.params.n, want_logprobs, first, events),
             media_type="application/x-ndjson",
+            headers=headers,
         )
     collected = await collect_choices(call.params.n, first, events)
     outputs = []
@@ -100,7 +105,8 @@ async def invoke(request: Request) -> Response:
             "deployment": name,
             "outputs": outputs,
             "usage": usage_json(collected.usage),
-        }
+        },
+        headers=headers,
     )
 
 

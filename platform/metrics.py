@@ -178,19 +178,24 @@ class Metrics:
     def __init__(self, pool: WorkerPool) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # `version`: the deployment version that served (a canary runs next to the stable
+        # one); bounded, as a deployment has one or two live versions at a time.
         self.requests = Counter(
-            "hotpool_requests", "Requests by outcome", ["deployment", "status"], registry=r
+            "hotpool_requests",
+            "Requests by outcome and serving version",
+            ["deployment", "version", "status"],
+            registry=r,
         )
         self.tokens = Counter(
             "hotpool_tokens",
-            "Tokens metered, by kind (input, cached_input, output)",
-            ["deployment", "kind"],
+            "Tokens metered, by kind (input, cached_input, output) and serving version",
+            ["deployment", "version", "kind"],
             registry=r,
         )
         self.ttft = Histogram(
             "hotpool_time_to_first_token_seconds",
-            "Time to first token",
-            ["deployment"],
+            "Time to first token, by serving version",
+            ["deployment", "version"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -237,13 +242,15 @@ class Metrics:
         ttft: float | None,
         total: float,
         queue: float | None,
+        version: int | None = None,
     ) -> None:
-        self.requests.labels(deployment, status).inc()
-        self.tokens.labels(deployment, "input").inc(usage.prompt_tokens)
-        self.tokens.labels(deployment, "cached_input").inc(usage.cached_tokens)
-        self.tokens.labels(deployment, "output").inc(usage.completion_tokens)
+        v = "" if version is None else str(version)
+        self.requests.labels(deployment, v, status).inc()
+        self.tokens.labels(deployment, v, "input").inc(usage.prompt_tokens)
+        self.tokens.labels(deployment, v, "cached_input").inc(usage.cached_tokens)
+        self.tokens.labels(deployment, v, "output").inc(usage.completion_tokens)
         if ttft is not None:
-            self.ttft.labels(deployment).observe(ttft)
+            self.ttft.labels(deployment, v).observe(ttft)
         self.e2e.labels(deployment).observe(total)
         if queue is not None:
             self.queue.labels(deployment).observe(queue)

@@ -15,6 +15,7 @@ from hotpool.billing.deployments import DeploymentSpec
 from hotpool.platform.auth import Principal, authorize, caller, owned
 from hotpool.platform.choices import collect_choices
 from hotpool.platform.errors import APIError
+from hotpool.platform.invoke import Served, version_header
 from hotpool.platform.logprobs import CompletionLogprobs, chat_logprobs
 from hotpool.platform.schemas import CompletionCall, parse_chat, parse_completion
 from hotpool.platform.services import Services, read_json
@@ -105,12 +106,17 @@ async def _complete(request: Request, principal: Principal, call: CompletionCall
             param="model", code="model_not_found",
         )  # fmt: skip
     request_id: str = request.scope["state"]["request_id"]
-    events = services.invoker.generate(spec, call, request_id, caller(request, principal))
+    target = services.router.choose(spec, services.catalog.canary_of(spec), call.user)
+    served = Served()
+    events = services.invoker.generate(target, call, request_id, caller(request, principal), served)
     first = await anext(events)  # queueing, cold start and validation errors surface here
     shape = _Shape(call, request_id)
+    headers = version_header(served)
     if call.stream:
-        return StreamingResponse(_sse(shape, call, first, events), media_type="text/event-stream")
-    return JSONResponse(await _collect(shape, first, events))
+        return StreamingResponse(
+            _sse(shape, call, first, events), media_type="text/event-stream", headers=headers
+        )
+    return JSONResponse(await _collect(shape, first, events), headers=headers)
 
 
 async def _collect(

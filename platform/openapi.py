@@ -287,6 +287,7 @@ COMPONENTS: dict[str, Schema] = {
             "snapshot_cache_hit": null(BOOL),
             "weights_tier": null(strings("remote", "disk", "host")),
             "generation": integer(1),
+            "version": {**integer(1), "description": "The deployment version it runs."},
         }
     ),
     "Deployment": every(
@@ -295,6 +296,16 @@ COMPONENTS: dict[str, Schema] = {
             "name": STR,
             "snapshot_uri": STR,
             "generation": integer(1),
+            "version": {**integer(1), "description": "The stable version (= `generation`)."},
+            "previous_version": {
+                **null(integer(1)),
+                "description": "The stable version before the last change: what a rollback "
+                "without a canary returns to.",
+            },
+            "canary": {
+                **null(every({"version": integer(1), "percent": number(0, 100)})),
+                "description": "The version taking `percent` percent of the requests.",
+            },
             "scaling": every(
                 {
                     "min_replicas": COUNT,
@@ -319,6 +330,35 @@ COMPONENTS: dict[str, Schema] = {
         }
     ),
     "DeploymentList": every({"object": const("list"), "data": arr(ref("Deployment"))}),
+    "DeploymentVersion": every(
+        {
+            "object": const("deployment.version"),
+            "version": integer(1),
+            "role": {
+                **null(strings("stable", "canary", "previous")),
+                "description": "Its part now.",
+            },
+            "traffic_percent": {**null(number(0, 100)), "description": "Its share of requests."},
+            "snapshot_uri": STR,
+            "engine": every(
+                {
+                    "dtype": null(strings(*dep.DTYPES)),
+                    "max_model_len": null(integer(1)),
+                    "kv_cache_bytes": null(integer(1)),
+                }
+            ),
+            "created_at": null(UNIX),
+            "created_by": {**null(STR), "description": "The key prefix, or `local`."},
+            "changes": {
+                **null({"type": "object", "additionalProperties": arr({}, minItems=2, maxItems=2)}),
+                "description": "What it changed from the stable version it was made from: "
+                "`{field: [old, new]}`.",
+            },
+        }
+    ),
+    "DeploymentVersionList": every(
+        {"object": const("list"), "data": arr(ref("DeploymentVersion"))}
+    ),
     "DeletedDeployment": every({"id": STR, "object": const("deployment"), "deleted": const(True)}),
     "ScaleEvent": every(
         {
@@ -359,6 +399,7 @@ COMPONENTS: dict[str, Schema] = {
                 "description": "null when none of the requests had a price in force.",
             },
             "cost_micros": null(integer()),
+            "version": {**null(integer(1)), "description": "The serving version, grouped by it."},
         }
     ),
     "UsageBucket": every(
@@ -555,8 +596,21 @@ DEPLOYMENT_FIELDS: dict[str, Schema] = {
     "kv_cache_bytes": null(integer(MIN_KV_CACHE_BYTES, dep.MAX_BIGINT)),
 }
 CREATE_DEPLOYMENT = obj({"name": DEPLOYMENT_NAME, **DEPLOYMENT_FIELDS}, ("name", "snapshot_uri"))
+CANARY = {
+    **null(obj({"version": integer(1, INT), "percent": number(0, 100)}, ("percent",))),
+    "description": "`{version, percent}` sends `percent`% of requests to an existing version; "
+    "`{percent}` with a new `snapshot_uri` or engine option in the same request makes them a "
+    "new version taking that share (instead of rolling out to all); null ends the canary. "
+    "Sticky per `user` when requests give one.",
+}
 UPDATE_DEPLOYMENT = {
-    **obj({"name": text(description="If given, its own name."), **DEPLOYMENT_FIELDS}),
+    **obj(
+        {
+            "name": text(description="If given, its own name."),
+            **DEPLOYMENT_FIELDS,
+            "canary": CANARY,
+        }
+    ),
     "minProperties": 1,
     "description": "The fields to change; null resets an optional one to the server's default.",
 }
@@ -602,6 +656,10 @@ HEADERS = {
     "x-hotpool-auth": {
         "description": "`off` on every response in local-only mode (`HOTPOOL_AUTH=none`).",
         "schema": const("off"),
+    },
+    "x-hotpool-version": {
+        "description": "On invocations: the deployment version that served the request.",
+        "schema": text("^[1-9][0-9]*$"),
     },
     "Retry-After": {
         "description": "Seconds to wait before retrying.",
@@ -710,8 +768,8 @@ def invocation(summary: str, answers: str, json: str, stream: Schema, **kw: Any)
 NAME = param("path", "name", DEPLOYMENT_NAME, "The deployment's name.")
 TIME = integer(0, MAX_TIMESTAMP - 1)
 GROUP_BY = arr(strings(*GROUPS))
-GROUPING = "Split each bucket by deployment (`model`, `deployment`) and/or `api_key`: " + (
-    "repeated or comma-separated."
+GROUPING = "Split each bucket by deployment (`model`, `deployment`), `api_key` and/or the " + (
+    "serving deployment `version`: repeated or comma-separated."
 )
 MODELS = arr(text("^[ -~]+$"))
 TENANT = param(
@@ -766,11 +824,12 @@ PATHS: dict[str, dict[str, Schema]] = {
             "update deployment",
             "deploy",
             ok("The updated deployment.", "Deployment"),
-            (404, 422),
+            (404, 409, 422),
             UPDATE_DEPLOYMENT,
             (NAME,),
-            "Changing what replicas run (snapshot, dtype, context length, KV budget) starts a "
-            "new generation; old replicas drain once a new one is ready.",
+            "Changing what replicas run (snapshot, dtype, context length, KV budget) makes a "
+            "new version. Without `canary` it is rolled out: old replicas drain once a new one "
+            "is ready. With `canary` it takes a share of the requests beside the stable one.",
         ),
         "delete": op(
             "delete deployment",
@@ -791,6 +850,43 @@ PATHS: dict[str, dict[str, Schema]] = {
                 param("query", "limit", integer(1, MAX_EVENTS_PAGE, default=100), "Page size."),
                 param("query", "before", integer(1, MAX_EVENT_ID), "A page's `next_before`."),
             ),
+        )
+    },
+    "/v1/deployments/{name}/versions": {
+        "get": op(
+            "list versions",
+            "deploy",
+            ok(
+                "Every version, oldest first, with its role and share of traffic.",
+                "DeploymentVersionList",
+            ),
+            (404,),
+            params=(NAME,),
+        )
+    },
+    "/v1/deployments/{name}/promote": {
+        "post": op(
+            "promote canary",
+            "deploy",
+            ok(
+                "The deployment: the canary is its stable version; the old one drains.",
+                "Deployment",
+            ),
+            (404, 409),
+            params=(NAME,),
+        )
+    },
+    "/v1/deployments/{name}/rollback": {
+        "post": op(
+            "roll back",
+            "deploy",
+            ok(
+                "The deployment: all traffic on the previous stable version (during a canary, "
+                "the stable one). In-flight requests finish where they started.",
+                "Deployment",
+            ),
+            (404, 409),
+            params=(NAME,),
         )
     },
     "/v1/deployments/{name}/invoke": {

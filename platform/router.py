@@ -1,5 +1,10 @@
 """Pick a replica for each request; hold requests through a cold start, within bounds.
 
+Each request first gets its version (:meth:`Router.choose`): while a canary runs, it takes
+its share of the requests, by a hash of the ``user`` field when there is one (so one user's
+conversation stays on one version) and at random otherwise. Versions have replicas of their
+own; a canary request is served by the canary only, a stable request never by the canary.
+
 The ready replica with the fewest outstanding requests wins. With none ready, the request
 waits (at most ``max_queue`` per deployment, at most ``queue_timeout_s``) for the replica
 the pool is starting, starting one if there is none; a full queue or an expired wait is a
@@ -10,6 +15,8 @@ router wakes it whenever requests queue or a replica passes its target concurren
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +27,29 @@ from hotpool.billing.deployments import DeploymentSpec
 from hotpool.platform.errors import APIError
 from hotpool.pool.pool import WorkerPool
 from hotpool.pool.replica import Replica, ReplicaState
+
+
+@dataclass(frozen=True)
+class Target:
+    """Which version a request goes to: ``spec`` as that version's replicas run it
+    (``generation`` is the version). ``strict``: only that version may serve it (a canary
+    request); otherwise, during a roll-over, older replicas may, but never ``not_version``
+    (a stable request never lands on the canary)."""
+
+    spec: DeploymentSpec
+    strict: bool = False
+    not_version: int | None = None
+
+    @property
+    def version(self) -> int:
+        return self.spec.generation
+
+
+def user_share(name: str, user: str) -> float:
+    """Where ``user`` falls in [0, 100) for deployment ``name``: stable for a user, so the
+    same user stays on one version; raising the canary's percent only moves users onto it."""
+    digest = hashlib.sha256(f"{name}\0{user}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 * 100
 
 
 @dataclass(frozen=True)
@@ -42,18 +72,37 @@ class Router:
         self.queue_timeout_s = queue_timeout_s
         self.on_demand = on_demand  # wakes the autoscaler
         self.waiting: Counter[str] = Counter()
+        self.waiting_for: Counter[tuple[str, int]] = Counter()  # by (deployment, version)
+        self.rng = random.Random()
 
     def queued(self, deployment: str) -> int:
         return self.waiting[deployment]
 
+    def queued_for(self, deployment: str, version: int) -> int:
+        return self.waiting_for[(deployment, version)]
+
+    def choose(
+        self, spec: DeploymentSpec, canary: DeploymentSpec | None, user: str | None = None
+    ) -> Target:
+        """The version a request goes to: ``canary`` (``spec.at_version`` of the canary)
+        for ``spec.canary_percent`` percent of requests, else the stable ``spec``."""
+        percent = spec.canary_percent
+        if canary is not None and percent:
+            share = user_share(spec.name, user) if user else self.rng.random() * 100
+            if share < percent:
+                return Target(canary, strict=True)
+        return Target(spec, not_version=spec.canary_version)
+
     @asynccontextmanager
     async def lease(
-        self, spec: DeploymentSpec, avoid: Replica | None = None
+        self, target: Target | DeploymentSpec, avoid: Replica | None = None
     ) -> AsyncIterator[Lease]:
         """A replica for one request; ``avoid``: one that just failed it (used only if it is
         the only one ready)."""
+        if isinstance(target, DeploymentSpec):
+            target = Target(target, not_version=target.canary_version)
         t0 = time.monotonic()
-        replica, cold = await self._acquire(spec, t0, avoid)
+        replica, cold = await self._acquire(target, t0, avoid)
         try:
             yield Lease(replica, time.monotonic() - t0, cold)
         finally:
@@ -61,9 +110,10 @@ class Router:
             replica.last_used = time.monotonic()
 
     async def _acquire(
-        self, spec: DeploymentSpec, t0: float, avoid: Replica | None
+        self, target: Target, t0: float, avoid: Replica | None
     ) -> tuple[Replica, bool]:
-        ready = self._pick(spec, avoid)
+        spec = target.spec
+        ready = self._pick(target, avoid)
         if ready is not None:
             return ready, False
         max_queue = spec.max_queue or self.max_queue
@@ -74,6 +124,7 @@ class Router:
                 code="queue_full", retry_after_s=5,
             )  # fmt: skip
         self.waiting[spec.name] += 1
+        self.waiting_for[(spec.name, spec.generation)] += 1
         self.on_demand()
         try:
             while True:
@@ -85,7 +136,7 @@ class Router:
                 if starting:
                     replica = min(starting, key=lambda r: r.requested_at)
                 else:
-                    replica = self.pool.scale_up(spec, reason="request")
+                    replica = self.pool.scale_up(spec, reason="request", canary=target.strict)
                 remaining = timeout_s - (time.monotonic() - t0)
                 try:
                     await asyncio.wait_for(replica.ready.wait(), max(remaining, 0.0))
@@ -95,7 +146,7 @@ class Router:
                         503, f"no replica of {spec.name!r} became ready within {wait}",
                         code="queue_timeout", retry_after_s=10,
                     ) from None  # fmt: skip
-                picked = self._pick(spec, avoid)
+                picked = self._pick(target, avoid)
                 if picked is not None:
                     return picked, True
                 if replica.error is not None and replica.state is not ReplicaState.QUEUED:
@@ -103,13 +154,21 @@ class Router:
                                    code="cold_start_failed", retry_after_s=10)  # fmt: skip
         finally:
             self.waiting[spec.name] -= 1
+            self.waiting_for[(spec.name, spec.generation)] -= 1
 
-    def _pick(self, spec: DeploymentSpec, avoid: Replica | None) -> Replica | None:
-        ready = [r for r in self.pool.replicas(spec.name) if r.state is ReplicaState.READY]
+    def _pick(self, target: Target, avoid: Replica | None) -> Replica | None:
+        spec = target.spec
+        ready = [
+            r
+            for r in self.pool.replicas(spec.name)
+            if r.state is ReplicaState.READY and r.generation != target.not_version
+        ]
+        current = [r for r in ready if r.generation == spec.generation]
+        # During a roll-over the new version takes requests as soon as it is ready; until
+        # then the old one serves (never for a canary request: that one waits for its own).
+        ready = current if current or target.strict else ready
         if not ready:
             return None
-        # During a roll-over the new generation takes requests as soon as it is ready.
-        ready = [r for r in ready if r.generation == spec.generation] or ready
         best = min(ready, key=lambda r: (r is avoid, r.inflight))
         best.inflight += 1  # claimed before any await, so the autoscaler sees it busy
         if best.inflight > spec.target_concurrency:

@@ -2,7 +2,8 @@
 usage API (``/v1/organization/usage/completions``) so existing tooling reads it.
 
 ``group_by`` takes ``model`` or its alias ``deployment`` (a request's model is the
-deployment's name) and ``api_key`` (OpenAI's ``api_key_id``), several at once, repeated or
+deployment's name), ``api_key`` (OpenAI's ``api_key_id``) and ``version`` (the deployment
+version that served, hotpool's own), several at once, repeated or
 comma-separated; ``models`` filters deployments. List parameters may also be spelled with
 brackets (``group_by[]=model``), as the ``openai`` client sends them. Each result carries
 ``cost``, ``{"value": "0.000150", "currency": "USD"}``: the exact decimal of its integer
@@ -34,7 +35,7 @@ PARAMS = {"start_time", "end_time", "bucket_width", "limit", "page", "tenant"} |
 PARAMS |= {f"{name}[]" for name in LIST_PARAMS}
 # group_by value -> what billing groups by
 GROUPS = {"model": "deployment", "deployment": "deployment", "api_key": "api_key",
-          "api_key_id": "api_key"}  # fmt: skip
+          "api_key_id": "api_key", "version": "version"}  # fmt: skip
 # 9999-01-01: a page of buckets after any accepted time still fits in a datetime.
 MAX_TIMESTAMP = 253370764800
 
@@ -168,6 +169,7 @@ def _result(row: UsageBucketRow) -> dict[str, Any]:
         "batch": None,
         "cost": None if cost is None else {"value": format_micros(cost), "currency": row.currency},
         "cost_micros": cost,
+        "version": row.version,  # hotpool: the deployment version, when grouped by it
     }
 
 

@@ -8,6 +8,11 @@ target, and it ticks every second regardless). Scaling down follows the highest 
 count seen over the last ``scale_down_window_s`` (as Kubernetes' HPA stabilisation window
 does), so a burst that pauses between requests does not flap; the last replica goes only
 after ``idle_timeout_s`` without requests (scale to zero). Dead workers are reaped here.
+
+While a canary runs, the stable and the canary version are reconciled each on their own
+load (their own replicas, their own queue): the canary may scale to zero while the stable
+version keeps ``min_replicas``. Replicas of any other version are stale: they drain once
+the stable version has a ready replica (a roll-out, a promote or a rollback).
 """
 
 from __future__ import annotations
@@ -32,18 +37,20 @@ class Autoscaler:
         self,
         pool: WorkerPool,
         deployments: Callable[[], Mapping[str, DeploymentSpec]],
-        queued: Callable[[str], int] = lambda name: 0,
+        queued: Callable[[str, int], int] = lambda name, version: 0,
         interval_s: float = 1.0,
         scale_down_window_s: float = 30.0,
+        canary_of: Callable[[DeploymentSpec], DeploymentSpec | None] = lambda spec: None,
     ) -> None:
         self.pool = pool
         self.deployments = deployments
-        self.queued = queued
+        self.queued = queued  # requests waiting for (deployment, version)
+        self.canary_of = canary_of
         self.interval_s = interval_s
         self.scale_down_window_s = scale_down_window_s
         self._wake = asyncio.Event()
-        # (time, desired) recommendations per deployment within the window.
-        self._history: defaultdict[str, deque[tuple[float, int]]] = defaultdict(deque)
+        # (time, desired) recommendations per (deployment, version) within the window.
+        self._history: defaultdict[tuple[str, int], deque[tuple[float, int]]] = defaultdict(deque)
 
     def wake(self) -> None:
         """Reconcile now (demand just changed) instead of at the next tick."""
@@ -66,42 +73,64 @@ class Autoscaler:
         for name in {r.deployment for r in self.pool.replicas()} | set(specs):
             spec = specs.get(name)
             if spec is None:
-                self._history.pop(name, None)
+                for key in [k for k in self._history if k[0] == name]:
+                    del self._history[key]
                 for r in self.pool.replicas(name):
                     if r.inflight == 0:
                         self.pool.release_soon(r, "deployment deleted")
                 continue
             self._reconcile(spec, now)
 
-    def desired(self, spec: DeploymentSpec) -> tuple[int, int]:
-        """(desired replicas, load) for ``spec`` right now."""
-        live = self._live(spec.name)
-        load = sum(r.inflight for r in live) + self.queued(spec.name)
+    def desired(self, spec: DeploymentSpec, floor: int | None = None) -> tuple[int, int]:
+        """(desired replicas, load) for the version ``spec`` describes, right now."""
+        live = self._live(spec.name, spec.generation)
+        load = sum(r.inflight for r in live) + self.queued(spec.name, spec.generation)
         want = math.ceil(load / spec.target_concurrency)
-        return min(max(want, spec.min_replicas), spec.max_replicas), load
+        low = spec.min_replicas if floor is None else floor
+        return min(max(want, low), spec.max_replicas), load
 
     def _reconcile(self, spec: DeploymentSpec, now: float) -> None:
-        self.pool.remember(spec)
-        live = self._live(spec.name)
-        want, load = self.desired(spec)
-        stale = [r for r in live if r.generation != spec.generation]
+        canary = self.canary_of(spec) if spec.canary_version is not None else None
+        self.pool.remember(spec, canary)
+        versions = {spec.generation} | ({canary.generation} if canary else set())
+        live = [r for r in self._live(spec.name) if r.generation in versions]
+        stale = [r for r in self._live(spec.name) if r.generation not in versions]
+        for key in [k for k in self._history if k[0] == spec.name and k[1] not in versions]:
+            del self._history[key]  # a version that ended: its window goes with it
+        current = [r for r in live if r.generation == spec.generation]
+        self._reconcile_version(spec, current, stale, spec.min_replicas, now)
+        if canary is not None:
+            mine = [r for r in live if r.generation == canary.generation]
+            self._reconcile_version(canary, mine, [], 0, now, canary=True)
+
+    def _reconcile_version(
+        self,
+        spec: DeploymentSpec,
+        live: list[Replica],
+        stale: list[Replica],
+        floor: int,
+        now: float,
+        canary: bool = False,
+    ) -> None:
+        """Scale one version's replicas (``live``) to its load, within [floor, max]."""
+        want, load = self.desired(spec, floor)
         if stale:
-            live = self._roll_over(spec, live, stale)
+            self._roll_over(spec, live, stale)
             want = max(want, min(len(stale), spec.max_replicas))
-        history = self._history[spec.name]
+        history = self._history[(spec.name, spec.generation)]
         history.append((now, want))
         while history and history[0][0] < now - self.scale_down_window_s:
             history.popleft()
         if len(live) < want:
             if stale:
-                reason = f"rolling over to generation {spec.generation}"
-            elif want == spec.min_replicas and load <= spec.min_replicas:
-                reason = f"min_replicas={spec.min_replicas}"
+                reason = f"rolling over to version {spec.generation}"
+            elif want == floor and load <= floor:
+                reason = f"min_replicas={floor}"
             else:
                 reason = f"load {load} > {len(live)} x target_concurrency {spec.target_concurrency}"
             # More than max_workers at once could never get a slot: ask for what can run.
             for _ in range(min(want - len(live), self.pool.max_workers)):
-                self.pool.scale_up(spec, reason=reason)
+                self.pool.scale_up(spec, reason=reason, canary=canary)
             return
         # Replicas still waiting for a worker are cheap to withdraw: no window for them.
         # (A replacement for a dead worker stays: it is capacity the deployment had.)
@@ -113,13 +142,13 @@ class Autoscaler:
             ):
                 live.remove(r)
         stable = max((w for _, w in history), default=want)
-        keep = max(stable, spec.min_replicas, 1)
+        keep = max(stable, floor, 1)
         idle = sorted(
             (r for r in live if r.state is ReplicaState.READY and r.inflight == 0),
             key=lambda r: r.last_used,
         )
         for r in idle:
-            if len(live) <= spec.min_replicas:
+            if len(live) <= floor:
                 break
             if now - r.last_used >= spec.idle_timeout_s:
                 reason = "idle timeout"
@@ -131,18 +160,20 @@ class Autoscaler:
             self.pool.release_soon(r, reason)
 
     def _roll_over(
-        self, spec: DeploymentSpec, live: list[Replica], stale: list[Replica]
-    ) -> list[Replica]:
-        """The deployment changed what its replicas run (a new snapshot, dtype or engine
-        options): new replicas start at once, as many as the old ones (within
+        self, spec: DeploymentSpec, current: list[Replica], stale: list[Replica]
+    ) -> None:
+        """What replicas run changed (a new snapshot, dtype or engine options; a promote or
+        a rollback): new replicas start at once, as many as the old ones (within
         ``max_replicas``); the old ones serve until one new replica is ready, then drain.
-        The router prefers the new generation as soon as it is ready, so no request is
-        dropped. Returns the current generation's live replicas."""
-        current = [r for r in live if r.generation == spec.generation]
+        The router prefers the new version as soon as it is ready, so no request is
+        dropped."""
         if any(r.state is ReplicaState.READY for r in current):
             for r in stale:
-                self.pool.release_soon(r, f"rolled over to generation {spec.generation}")
-        return current
+                self.pool.release_soon(r, f"rolled over to version {spec.generation}")
 
-    def _live(self, name: str) -> list[Replica]:
-        return [r for r in self.pool.replicas(name) if r.state is not ReplicaState.DRAINING]
+    def _live(self, name: str, version: int | None = None) -> list[Replica]:
+        return [
+            r
+            for r in self.pool.replicas(name)
+            if r.state is not ReplicaState.DRAINING and (version is None or r.generation == version)
+        ]

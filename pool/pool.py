@@ -72,6 +72,7 @@ class WorkerPool:
         self.on_ready = on_ready or (lambda r: None)
         self._replicas: dict[str, Replica] = {}
         self._specs: dict[str, DeploymentSpec] = {}  # last spec each deployment scaled with
+        self._canaries: dict[str, DeploymentSpec] = {}  # the canary version's, while one runs
         self._tasks: set[asyncio.Task[None]] = set()
         self._cold_starts: dict[str, asyncio.Task[None]] = {}
         # Replicas waiting for a worker slot, first come first served.
@@ -118,14 +119,20 @@ class WorkerPool:
         """Begin filling the idle set (call once the event loop runs)."""
         self.warm.refill()
 
-    def scale_up(self, spec: DeploymentSpec, reason: str = "request") -> Replica:
+    def scale_up(
+        self, spec: DeploymentSpec, reason: str = "request", canary: bool = False
+    ) -> Replica:
         """Add a replica of ``spec``; returns at once (await its ``ready`` event).
 
         It starts QUEUED and takes the first worker slot that frees up, first come first
         served: an idle worker, room for a new process, or a worker made free by evicting
         the least-recently-used idle replica of another deployment (or, once it has waited
-        ``preempt_after_s``, by draining a busy one, so no deployment starves)."""
-        self._specs[spec.name] = spec
+        ``preempt_after_s``, by draining a busy one, so no deployment starves).
+        ``canary``: ``spec`` is the deployment's canary version, not its stable one."""
+        if canary:
+            self._canaries[spec.name] = spec
+        else:
+            self._specs[spec.name] = spec
         before = len(self.replicas(spec.name))
         replica = Replica(
             id=f"r-{uuid.uuid4().hex[:12]}",
@@ -140,9 +147,14 @@ class WorkerPool:
         task.add_done_callback(lambda _: self._cold_starts.pop(replica.id, None))
         return replica
 
-    def remember(self, spec: DeploymentSpec) -> None:
-        """The deployment's current spec (after an update): floors and replacements use it."""
+    def remember(self, spec: DeploymentSpec, canary: DeploymentSpec | None = None) -> None:
+        """The deployment's current spec (after an update) and its canary version's, if one
+        runs: floors and replacements use them."""
         self._specs[spec.name] = spec
+        if canary is None:
+            self._canaries.pop(spec.name, None)
+        else:
+            self._canaries[spec.name] = canary
 
     def cancel(self, replica: Replica, reason: str) -> bool:
         """Withdraw a replica still waiting for a worker slot (its demand went away)."""
@@ -238,12 +250,17 @@ class WorkerPool:
         self._forget(replica, f"worker died: {replica.error}")
         self._spawn(self.launcher.stop(replica.handle, grace_s=0.0))  # a hung one holds memory
         spec = self._specs.get(replica.deployment)
+        canary = self._canaries.get(replica.deployment)
+        of_canary = canary is not None and replica.generation == canary.generation
+        if of_canary:
+            spec = canary  # a canary replica is replaced by one of the canary
         if spec is None or was_draining or self._closing:
             return
         # Replace it if the deployment would have kept it: in use, or not yet idle too long.
         recent = time.monotonic() - replica.last_used < spec.idle_timeout_s
         if replica.inflight > 0 or recent or len(self._live(spec.name)) < spec.min_replicas:
-            self.scale_up(spec, reason="replacing a dead worker").replacement = True
+            replacement = self.scale_up(spec, reason="replacing a dead worker", canary=of_canary)
+            replacement.replacement = True
 
     # --- worker slots ---------------------------------------------------------------------
 

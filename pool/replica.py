@@ -67,4 +67,5 @@ class Replica:
             "snapshot_cache_hit": self.load.cache_hit if self.load else None,
             "weights_tier": self.load.tier if self.load else None,  # remote, disk or host
             "generation": self.generation,
+            "version": self.generation,  # the deployment version it runs
         }

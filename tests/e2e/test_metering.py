@@ -39,7 +39,9 @@ def _call(server: Server, i: int) -> tuple[str, dict[str, int]]:
 
 def _counter(text: str, kind: str) -> int:
     match = re.search(
-        rf'^hotpool_tokens_total{{deployment="metered",kind="{kind}"}} (\S+)$', text, re.M
+        rf'^hotpool_tokens_total{{deployment="metered",kind="{kind}",version="1"}} (\S+)$',
+        text,
+        re.M,
     )
     return int(float(match.group(1))) if match else 0
 

@@ -73,7 +73,10 @@ def _scrape(server: Server) -> tuple[str, Samples]:
 
 
 def _value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset({"deployment": NAME, **labels}.items())), 0.0)
+    """The sum over the series of ``name`` that have ``labels`` (and any others, such as
+    the serving ``version``)."""
+    want = {("deployment", NAME), *labels.items()}
+    return sum(v for (n, have), v in samples.items() if n == name and want <= have)
 
 
 def _ledger(server: Server, expected: int) -> list[UsageRecord]:

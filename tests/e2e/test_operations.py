@@ -68,8 +68,8 @@ def test_patch_rolls_replicas_over_without_dropping_a_stream(
         body = {"model": "roll", "prompt": "One, two,", "max_tokens": 3}
         assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120).status_code == 200
         reasons = [e["reason"] for e in srv.scale_events("roll")]
-        assert "rolling over to generation 2" in reasons
-        assert "rolled over to generation 2" in reasons
+        assert "rolling over to version 2" in reasons
+        assert "rolled over to version 2" in reasons
 
 
 def test_sigterm_lets_running_streams_finish_and_bills_them(

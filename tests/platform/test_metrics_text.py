@@ -29,7 +29,8 @@ from hotpool.pool.replica import Replica, ReplicaState
 from hotpool.worker.protocol import GenerateEvent, LoadResult, Usage, WorkerInfo
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-BOUNDED_LABELS = {"deployment", "status", "kind", "phase", "state", "direction", "le"}
+# `version`: a deployment version (one or two live at a time), never a request id.
+BOUNDED_LABELS = {"deployment", "version", "status", "kind", "phase", "state", "direction", "le"}
 
 
 class InstantBackend(WorkerBackend):
@@ -289,7 +290,9 @@ def test_every_series_follows_the_naming_rules() -> None:
         for name in ("hotpool_ledger_write_failures", "hotpool_ledger_rejected_records"):
             assert families[name].type == "counter", name
         s = _samples(text)
-        assert _value(s, "hotpool_tokens_total", deployment="a", kind="cached_input") == 2
+        assert (
+            _value(s, "hotpool_tokens_total", deployment="a", kind="cached_input", version="") == 2
+        )
         assert _value(s, "hotpool_cold_start_seconds_sum", deployment="a", phase="load") == 1.5
         assert _value(s, "hotpool_kv_cache_usage_ratio", deployment="a") == 0.5
         await pool.shutdown()

@@ -42,8 +42,9 @@ from hotpool.billing.keys import KeyStore
 from hotpool.billing.tenants import TenantStore
 from hotpool.platform import deployment_schema, invoke_api, prices_api, schemas, usage_api
 from hotpool.platform.app import build_services, create_app
-from hotpool.platform.invoke import Caller
+from hotpool.platform.invoke import Caller, Served
 from hotpool.platform.openapi import DOCUMENT
+from hotpool.platform.router import Target
 from hotpool.platform.schemas import CompletionCall
 from hotpool.platform.services import Services
 from hotpool.pool.backend import WorkerHandle
@@ -106,8 +107,15 @@ class ScriptedInvoker:
     event), so the success path of every invocation route meets the document too."""
 
     async def generate(
-        self, spec: DeploymentSpec, call: CompletionCall, request_id: str, caller: Caller
+        self,
+        target: Target,
+        call: CompletionCall,
+        request_id: str,
+        caller: Caller,
+        served: Served | None = None,
     ) -> AsyncIterator[GenerateEvent]:
+        if served is not None:
+            served.version = target.version
         p = call.params
         finishes = ("stop", "length", "abort")
         for i in range(p.n):
@@ -307,9 +315,8 @@ def test_request_schemas_name_exactly_the_fields_the_parsers_accept() -> None:
     params = _body("/v1/deployments/{name}/invoke", "post")["properties"]["params"]["anyOf"][0]
     assert set(params["properties"]) == invoke_api.PARAM_FIELDS
     settable = {"name", *deployment_schema.PARSERS}
-    assert (
-        fields("/v1/deployments", "post") == fields("/v1/deployments/{name}", "patch") == settable
-    )
+    assert fields("/v1/deployments", "post") == settable
+    assert fields("/v1/deployments/{name}", "patch") == settable | {"canary"}
     assert fields("/v1/tenants", "post") == {"name"}
     assert fields("/v1/keys", "post") == {"tenant", "scopes", "name"}
     assert fields("/v1/prices", "post") == prices_api.FIELDS

@@ -204,7 +204,9 @@ def test_worker_failed_tells_dead_from_alive() -> None:
 def _scaler(
     pool: WorkerPool, specs: dict[str, DeploymentSpec], queued: dict[str, int], window: float
 ) -> Autoscaler:
-    return Autoscaler(pool, lambda: specs, lambda n: queued.get(n, 0), scale_down_window_s=window)
+    return Autoscaler(
+        pool, lambda: specs, lambda n, v: queued.get(n, 0), scale_down_window_s=window
+    )
 
 
 def test_autoscaler_scales_on_load_at_once_and_down_only_after_the_window() -> None:
@@ -308,7 +310,7 @@ def test_a_new_generation_rolls_over_without_a_gap() -> None:
         specs["d"] = replace(v1, snapshot_uri="file:///s/d-v2", generation=2)
         await scaler.tick()
         new = next(r for r in pool.replicas("d") if r is not old)
-        assert new.generation == 2 and events[-1].reason == "rolling over to generation 2"
+        assert new.generation == 2 and events[-1].reason == "rolling over to version 2"
         assert old.state is ReplicaState.READY  # serves until the new one is ready
         await _ready(new)
         await scaler.tick()
@@ -318,7 +320,7 @@ def test_a_new_generation_rolls_over_without_a_gap() -> None:
         await _settle(pool)
         await asyncio.sleep(0.1)
         assert pool.replicas("d") == [new]
-        assert any(e.reason == "rolled over to generation 2" for e in events)
+        assert any(e.reason == "rolled over to version 2" for e in events)
         await pool.shutdown()
 
     run(scenario)
