@@ -13,16 +13,23 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hotpool.billing.db import Database
+from hotpool.billing.deployments import DeploymentSpec
 from hotpool.billing.models import STATUSES
 from hotpool.billing.scale_events import ScaleEventRecord, ScaleEventStore
 from hotpool.billing.tenants import TenantStore
-from hotpool.billing.usage_stats import DeploymentStats, deployment_stats
+from hotpool.billing.usage_stats import (
+    DeploymentStats,
+    VersionStats,
+    deployment_stats,
+    version_stats,
+)
 from hotpool.platform.auth import Authenticator, authorize
 from hotpool.platform.deployments_api import event_json
 from hotpool.platform.errors import invalid
@@ -67,15 +74,21 @@ class _Ledger:
     events: list[ScaleEventRecord]
     truncated: bool
     tenants: dict[int, str]
+    versions: dict[str, list[VersionStats]]  # deployments with a canary: per version
 
 
-def _read(db: Database, start: datetime, end: datetime, tenant: int | None) -> _Ledger:
+def _read(
+    db: Database, start: datetime, end: datetime, tenant: int | None, canaries: list[str]
+) -> _Ledger:
     """Everything the summary reads from SQL, in one worker thread."""
     stats = deployment_stats(db, start, end, tenant_id=tenant)
+    versions = {
+        name: version_stats(db, start, end, deployment=name, tenant_id=tenant) for name in canaries
+    }
     events = ScaleEventStore(db).between(start, end, tenant_id=tenant, limit=MAX_SCALE_EVENTS + 1)
     truncated = len(events) > MAX_SCALE_EVENTS
     names = {t.id: t.name for t in TenantStore(db).list()}
-    return _Ledger(stats, events[-MAX_SCALE_EVENTS:], truncated, names)
+    return _Ledger(stats, events[-MAX_SCALE_EVENTS:], truncated, names, versions)
 
 
 async def get_summary(request: Request) -> Response:
@@ -91,18 +104,21 @@ async def get_summary(request: Request) -> Response:
     if end - start > MAX_RANGE:
         raise invalid(f"the range may span at most {MAX_RANGE.days} days", "start_time")
     tenant = await tenant_filter(request, principal)
-    ledger = await asyncio.to_thread(_read, services.db, start, end, tenant)
-
     # Deployments that exist now, with their live replicas, and those the ledger knows.
     specs = {
         name: spec
         for name, spec in services.catalog.all().items()
         if tenant is None or spec.tenant_id == tenant
     }
+    canaries = sorted(n for n, s in specs.items() if s.canary_version is not None)
+    ledger = await asyncio.to_thread(_read, services.db, start, end, tenant, canaries)
+
     replicas: dict[str, Counter[str]] = {}
+    states_by_version: dict[str, Counter[int]] = {name: Counter() for name in specs}
     for r in services.pool.replicas():
         if r.deployment in specs:
             replicas.setdefault(r.deployment, Counter())[r.state.value] += 1
+            states_by_version[r.deployment][r.generation] += 1
     stats = {s.deployment: s for s in ledger.stats}
     deployments = []
     for name in sorted(set(specs) | set(stats)):
@@ -122,6 +138,11 @@ async def get_summary(request: Request) -> Response:
                 "total_seconds": {"p50": s.total_p50 if s else None,
                                   "p95": s.total_p95 if s else None},
                 "last_request_at": _ts(s.last_request_at if s else None),
+                "version": spec.generation if spec else None,
+                "canary": None if spec is None or spec.canary_version is None
+                else {"version": spec.canary_version, "percent": spec.canary_percent},
+                "versions": _versions_json(spec, ledger.versions[name], states_by_version[name])
+                if spec is not None and name in ledger.versions else None,
             }
         )  # fmt: skip
     totals = dict.fromkeys(STATUSES, 0)
@@ -140,6 +161,42 @@ async def get_summary(request: Request) -> Response:
             "scale_events_truncated": ledger.truncated,
         }
     )
+
+
+def _versions_json(
+    spec: DeploymentSpec, stats: list[VersionStats], replicas: Counter[int]
+) -> list[dict[str, Any]]:
+    """The stable and the canary version side by side (what a canary is judged on), then any
+    other version that served requests in the range (one being drained, say)."""
+    by_version = {s.version: s for s in stats}
+    canary = spec.canary_version
+    order = [
+        spec.generation,
+        canary,
+        *sorted(v for v in by_version if v not in (spec.generation, canary) and v is not None),
+    ]
+    out = []
+    for v in order:
+        s = by_version.get(v)
+        role = "stable" if v == spec.generation else "canary" if v == canary else None
+        share = spec.canary_percent or 0.0
+        out.append(
+            {
+                "version": v,
+                "role": role,
+                "traffic_percent": 100.0 - share if role == "stable" else share if role else 0.0,
+                "replicas": replicas.get(v, 0),
+                "requests": s.requests if s else dict.fromkeys(STATUSES, 0),
+                "input_tokens": s.prompt_tokens if s else 0,
+                "input_cached_tokens": s.cached_tokens if s else 0,
+                "output_tokens": s.completion_tokens if s else 0,
+                "ttft_seconds": {"p50": s.ttft_p50 if s else None,
+                                 "p95": s.ttft_p95 if s else None},
+                "total_seconds": {"p50": s.total_p50 if s else None,
+                                  "p95": s.total_p95 if s else None},
+            }
+        )  # fmt: skip
+    return out
 
 
 routes = [

@@ -440,6 +440,13 @@ COMPONENTS: dict[str, Schema] = {
                         "ttft_seconds": ref("Percentiles"),
                         "total_seconds": ref("Percentiles"),
                         "last_request_at": null(UNIX),
+                        "version": {**null(integer(1)), "description": "The stable version."},
+                        "canary": null(every({"version": integer(1), "percent": number(0, 100)})),
+                        "versions": {
+                            **null(arr(ref("VersionSummary"))),
+                            "description": "While a canary runs: the stable and the canary "
+                            "version side by side, then others that served in the range.",
+                        },
                     }
                 )
             ),
@@ -448,6 +455,20 @@ COMPONENTS: dict[str, Schema] = {
         }
     ),
     "RequestsByStatus": every({s: COUNT for s in STATUSES}),
+    "VersionSummary": every(
+        {
+            "version": integer(1),
+            "role": null(strings("stable", "canary")),
+            "traffic_percent": number(0, 100),
+            "replicas": COUNT,
+            "requests": ref("RequestsByStatus"),
+            "input_tokens": integer(),
+            "input_cached_tokens": integer(),
+            "output_tokens": integer(),
+            "ttft_seconds": ref("Percentiles"),
+            "total_seconds": ref("Percentiles"),
+        }
+    ),
     "UsagePage": every(
         {
             "object": const("page"),

@@ -63,6 +63,12 @@ function formatMoney(micros, currency) {
   return text;
 }
 
+function formatMoneyTick(value, currency) {
+  // Axis ticks: three significant digits, so $0.010 and $0.012 stay apart.
+  return new Intl.NumberFormat("en-US", { style: "currency", currency, maximumSignificantDigits: 3 })
+    .format(value);
+}
+
 function formatSeconds(s) {
   if (s === null || s === undefined) return "–";
   return s < 1 ? `${Math.round(s * 1000)} ms` : `${s.toFixed(2)} s`;
@@ -302,6 +308,7 @@ function draw(d) {
   drawReplicas(d);
   drawColdStarts(d);
   drawDeployments(d.summary);
+  drawVersions(d.summary);
 }
 
 function setKpi(id, raw, text) {
@@ -344,7 +351,7 @@ function drawSeries(d, currency) {
         pointRadius: 0 }],
     },
     options: baseOptions({
-      scales: { y: { beginAtZero: true, ticks: { callback: (v) => formatMoney(Math.round(v * 1e6), currency || "USD") } } },
+      scales: { y: { beginAtZero: true, ticks: { callback: (v) => formatMoneyTick(v, currency || "USD") } } },
       plugins: {
         legend: { position: "bottom" },
         tooltip: { callbacks: { label: (c) => formatMoney(Math.round(c.raw * 1e6), currency || "USD") } },
@@ -526,6 +533,35 @@ function drawDeployments(summary) {
     cell(row, formatCount(requests), "num");
     cell(row, formatCount(d.requests.error + d.requests.partial), "num");
     cell(row, formatAgo(d.last_request_at));
+  }
+}
+
+function drawVersions(summary) {
+  // While a canary runs: each version's requests, errors, latency and tokens, side by side.
+  const rows = summary.deployments.filter((d) => d.versions).flatMap((d) =>
+    d.versions.map((v) => ({ name: d.name, ...v })));
+  $("panel-versions").hidden = rows.length === 0;
+  const body = $("table-versions").tBodies[0];
+  body.replaceChildren();
+  for (const v of rows) {
+    const row = body.insertRow();
+    row.dataset.name = v.name;
+    row.dataset.version = String(v.version);
+    const requests = Object.values(v.requests).reduce((a, b) => a + b, 0);
+    const errors = v.requests.error + v.requests.partial;
+    row.dataset.requests = String(requests);
+    row.dataset.errors = String(errors);
+    row.dataset.tokens = String(v.input_tokens + v.output_tokens);
+    cell(row, v.name);
+    cell(row, `v${v.version}`);
+    cell(row, v.role || "draining");
+    cell(row, `${v.traffic_percent.toFixed(v.traffic_percent % 1 ? 1 : 0)}%`, "num");
+    cell(row, String(v.replicas), "num");
+    cell(row, formatCount(requests), "num");
+    cell(row, requests ? `${formatCount(errors)} (${((100 * errors) / requests).toFixed(1)}%)` : "0", "num");
+    cell(row, formatSeconds(v.ttft_seconds.p50), "num");
+    cell(row, formatSeconds(v.ttft_seconds.p95), "num");
+    cell(row, formatCount(v.input_tokens + v.output_tokens), "num");
   }
 }
 

@@ -134,7 +134,29 @@ def board(tmp_path_factory: pytest.TempPathFactory, smollm2_snapshot_bf16: Path)
             lambda: _has_phases(b) and _live_requests(b) == 3,
             timeout_s=30,
         )
+        # A canary of alpha-live (a new max_model_len is a new version), with some traffic
+        # of each version in the ledger, for the side-by-side view.
+        canary = {"max_model_len": 512, "canary": {"percent": 25}}
+        r = httpx.patch(f"{server.url}/v1/deployments/alpha-live", json=canary, headers=deploy)
+        assert r.status_code == 200 and r.json()["canary"]["version"] == 2, r.text
+        _seed_versions(home, datetime.now(UTC))
         yield b
+
+
+def _seed_versions(home: Path, now: datetime) -> None:
+    db = Database(f"sqlite:///{home / 'hotpool.db'}")
+    try:
+        alpha = TenantStore(db).by_name("alpha")
+        assert alpha is not None
+        Ledger(db).record_many(
+            UsageRecord(f"canary-{i}", "alpha-live", "completions",
+                        "error" if i == 9 else "completed", 40, 8, tenant_id=alpha.id,
+                        version=2 if i >= 6 else 1, ttft_seconds=0.05 * (i + 1),
+                        total_seconds=0.5 + i, created_at=now - timedelta(minutes=2))
+            for i in range(10)
+        )  # fmt: skip
+    finally:
+        db.dispose()
 
 
 def _has_phases(b: Board) -> bool:
@@ -268,6 +290,18 @@ def _check_against_api(page: Any, board: Board, who: str, tenant: str = "") -> d
         "#table-deployments tbody tr", "rows => rows.map(r => r.dataset.name)"
     )
     assert table == [d["name"] for d in summary["deployments"]]
+    # While a canary runs, its versions side by side, as the summary reports them.
+    versions = page.eval_on_selector_all(
+        "#table-versions tbody tr",
+        "rows => rows.map(r => [r.dataset.name, Number(r.dataset.version),"
+        " Number(r.dataset.requests), Number(r.dataset.errors), Number(r.dataset.tokens)])",
+    )
+    assert versions == [
+        [d["name"], v["version"], sum(v["requests"].values()),
+         v["requests"]["error"] + v["requests"]["partial"], v["input_tokens"] + v["output_tokens"]]
+        for d in summary["deployments"] if d["versions"] for v in d["versions"]
+    ]  # fmt: skip
+    assert page.is_visible("#panel-versions") == bool(versions)
     return {"charts": charts, "summary": summary, "by_model": by_model}
 
 
@@ -309,6 +343,12 @@ def test_a_tenant_sees_its_own_totals_in_every_chart_and_range(
     assert row.nth(2).inner_text() == "ready"
     cold = seen["charts"]["chart-cold-starts"]
     assert {"load", "warmup"} <= {d["label"] for d in cold["datasets"]}
+    canary = next(d for d in seen["summary"]["deployments"] if d["name"] == "alpha-live")
+    assert [(v["version"], v["role"], v["traffic_percent"]) for v in canary["versions"]] == [
+        (1, "stable", 75.0), (2, "canary", 25.0)
+    ]  # fmt: skip
+    assert canary["versions"][1]["requests"]["error"] == 1
+    assert page.is_visible("#panel-versions")
     replicas = seen["charts"]["chart-replicas"]
     assert max(next(d for d in replicas["datasets"] if d["label"] == "alpha-live")["data"]) == 1
     # Numbers are for people: a K or M, a currency sign.

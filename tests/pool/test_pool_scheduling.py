@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -321,6 +322,40 @@ def test_a_new_generation_rolls_over_without_a_gap() -> None:
         await asyncio.sleep(0.1)
         assert pool.replicas("d") == [new]
         assert any(e.reason == "rolled over to version 2" for e in events)
+        await pool.shutdown()
+
+    run(scenario)
+
+
+def test_a_canary_scales_on_its_own_load_and_to_zero_while_stable_keeps_its_floor() -> None:
+    async def scenario() -> None:
+        pool, _, events = _pool(max_workers=4)
+        stable = _spec("d", min_replicas=1, max_replicas=2, target_concurrency=1,
+                       idle_timeout_s=0.2)  # fmt: skip
+        stable = replace(stable, canary_version=2, canary_percent=20.0)
+        canary = replace(stable, generation=2, canary_version=None, canary_percent=None)
+        queued: dict[tuple[str, int], int] = {("d", 2): 2}  # two requests wait for the canary
+        scaler = Autoscaler(
+            pool,
+            lambda: {"d": stable},
+            lambda n, v: queued.get((n, v), 0),
+            scale_down_window_s=0.1,
+            canary_of=lambda spec: canary,
+        )
+        await scaler.tick()
+        by_version = Counter(r.generation for r in pool.replicas("d"))
+        assert by_version == {1: 1, 2: 2}  # the floor for stable, the load for the canary
+        for r in pool.replicas("d"):
+            await _ready(r)
+        queued.clear()
+        for r in pool.replicas("d"):
+            r.last_used = time.monotonic() - 1.0
+        await asyncio.sleep(0.15)
+        await scaler.tick()
+        await _settle(pool)
+        live = [r for r in pool.replicas("d") if r.state is ReplicaState.READY]
+        assert [r.generation for r in live] == [1]  # the canary went to zero, stable did not
+        assert any(e.reason == "idle timeout" for e in events)
         await pool.shutdown()
 
     run(scenario)
