@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -245,3 +248,35 @@ def test_promote_drains_the_old_version_without_cutting_a_stream(srv: Server) ->
     srv.wait_for("version 1 to drain to zero", lambda: _versions_running(srv) == {2})
     events = srv.scale_events(NAME)
     assert any(e["reason"] == "rolled over to version 2" for e in events)
+
+
+def _cli(srv: Server, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HOTPOOL_HOME": str(srv.home)}
+    return subprocess.run(
+        [sys.executable, "-m", "hotpool", *args, "--url", srv.url],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_the_cli_starts_lists_and_ends_a_canary(srv: Server, tmp_path: Path) -> None:
+    stable = httpx.get(f"{srv.url}/v1/deployments/{NAME}").json()
+    same = _cli(srv, "deploy", NAME, "--snapshot", stable["snapshot_uri"], "--canary", "5")
+    assert same.returncode == 1
+    assert "409: the canary would run what the stable version runs" in same.stderr
+    # Another URI for the same files (a link) is another snapshot, so a new version.
+    link = tmp_path / "smollm2-again"
+    link.symlink_to(stable["snapshot_uri"].removeprefix("file://"))
+    out = _cli(srv, "deploy", NAME, "--snapshot", f"file://{link}", "--canary", "5")
+    assert out.returncode == 0, out.stderr
+    new = httpx.get(f"{srv.url}/v1/deployments/{NAME}").json()["canary"]["version"]
+    assert out.stdout.strip() == (
+        f"{NAME}: version {stable['version']} is stable; version {new} takes 5% (canary)"
+    )
+    listed = _cli(srv, "versions", NAME)
+    assert listed.returncode == 0, listed.stderr
+    canary_row = next(line for line in listed.stdout.splitlines() if line.startswith(str(new)))
+    assert "canary" in canary_row and "5%" in canary_row and str(link) in canary_row
+    back = _cli(srv, "rollback", NAME)
+    assert back.stdout.strip() == f"{NAME}: version {stable['version']} is stable"
+    nothing = _cli(srv, "promote", NAME)
+    assert nothing.returncode == 1 and "no canary to promote" in nothing.stderr
