@@ -20,6 +20,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 AUTH_MODES = ("auto", "keys", "none")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("local", "ray")
 
 
 class SettingsError(ValueError):
@@ -63,6 +64,10 @@ class Settings:
     spool_dir: Path | None = None  # usage spool + in-flight journal; None: <home>/spool
     inflight_every_tokens: int = 16  # journal a running request's tokens at most this often
     worker_token: str | None = field(default=None, repr=False)
+    backend: str = "local"  # where workers run: local processes or a Ray cluster
+    ray_address: str | None = None  # Ray cluster to join; None: start a private local one
+    ray_worker_cpus: float = 1.0  # CPUs each Ray worker actor holds (besides its GPU, if any)
+    control_plane_url: str | None = None  # how workers reach us; None: from host and port
 
     @property
     def auth_enabled(self) -> bool:
@@ -168,6 +173,18 @@ def _endpoint_url(raw: str) -> str:
     return value
 
 
+def _ray_address(raw: str) -> str:
+    """``auto``, ``host:port`` (the head's GCS) or ``ray://host:port`` (Ray Client)."""
+    value = raw.strip()
+    if value == "auto":
+        return value
+    rest = value.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or "/" in rest or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("must be auto, host:port or ray://host:port (e.g. ray://head:10001)")
+    return value
+
+
 S3_ENDPOINT_VARS = ("HOTPOOL_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 
 
@@ -188,6 +205,17 @@ def s3_endpoint_url(env: Mapping[str, str] | None = None) -> str | None:
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read every ``HOTPOOL_*`` setting from ``env`` (default: the process environment)."""
     env = os.environ if env is None else env
+    settings = _load(env)
+    if settings.ray_address is not None and settings.backend != "ray":
+        # Silently ignoring it would run workers on this machine instead of the cluster.
+        raise SettingsError(
+            f"HOTPOOL_RAY_ADDRESS={settings.ray_address!r} is set but HOTPOOL_BACKEND is "
+            f"{settings.backend!r}: set HOTPOOL_BACKEND=ray to use the Ray cluster"
+        )
+    return settings
+
+
+def _load(env: Mapping[str, str]) -> Settings:
     home = _parse(env, "HOTPOOL_HOME", Path("~/.hotpool"), Path).expanduser().resolve()
     return Settings(
         home=home,
@@ -223,4 +251,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         spool_dir=_parse(env, "HOTPOOL_SPOOL_DIR", home / "spool", Path).expanduser().resolve(),
         inflight_every_tokens=_parse(env, "HOTPOOL_INFLIGHT_EVERY_TOKENS", 16, _positive_int),
         worker_token=env.get("HOTPOOL_WORKER_TOKEN") or None,
+        backend=_parse(env, "HOTPOOL_BACKEND", "local", _one_of(BACKENDS)),
+        ray_address=_parse(env, "HOTPOOL_RAY_ADDRESS", None, _ray_address),
+        ray_worker_cpus=_parse(env, "HOTPOOL_RAY_WORKER_CPUS", 1.0, _positive_float),
+        control_plane_url=_parse(env, "HOTPOOL_CONTROL_PLANE_URL", None, _endpoint_url),
     )

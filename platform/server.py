@@ -13,6 +13,7 @@ import uvicorn
 from hotpool.billing.db import Database, StaleSchema
 from hotpool.billing.deployments import DeploymentSpec, DeploymentStore
 from hotpool.platform.app import build_services, create_app
+from hotpool.pool.backend import WorkerBackend
 from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig, visible_gpus
 from hotpool.settings import Settings
 
@@ -39,6 +40,70 @@ class _QuietInternal(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "/internal/workers/" not in record.getMessage()
+
+
+def control_plane_url(settings: Settings, host: str, port: int, cluster_ip: str | None) -> str:
+    """How workers reach the control plane: ``HOTPOOL_CONTROL_PLANE_URL``, else the bound
+    address; a wildcard bind is reached at ``cluster_ip`` (this machine's IP in the Ray
+    cluster), or at loopback when workers are local."""
+    if settings.control_plane_url:
+        return settings.control_plane_url
+    if host in ("0.0.0.0", "::", ""):
+        host = cluster_ip or "127.0.0.1"
+    return f"http://{host}:{port}"
+
+
+def local_backend(
+    settings: Settings, host: str, port: int, token: str
+) -> tuple[Settings, LocalProcessBackend]:
+    """Worker processes on this machine; at most one worker per GPU on a GPU host."""
+    gpus = visible_gpus() if settings.device != "cpu" else ()
+    if gpus and settings.max_workers > len(gpus):
+        log.info("%d GPU(s): at most %d workers, one per GPU", len(gpus), len(gpus))
+        settings = replace(settings, max_workers=len(gpus))
+    threads = settings.worker_threads or max(1, (os.cpu_count() or 1) // settings.max_workers)
+    backend = LocalProcessBackend(
+        LocalWorkerConfig(
+            control_plane_url=control_plane_url(settings, host, port, None),
+            token=token,
+            cache_dir=settings.cache_dir,
+            log_dir=settings.home / "logs",
+            device=settings.device,
+            log_level=settings.log_level,
+            threads=threads,
+            gpus=gpus,
+        )
+    )
+    return settings, backend
+
+
+def ray_backend(settings: Settings, host: str, port: int, token: str) -> WorkerBackend:
+    """Worker actors on a Ray cluster (``ray`` is imported only on this path)."""
+    from hotpool.pool import ray_backend as rb
+
+    try:
+        cluster_ip, gpus = rb.connect(settings.ray_address)
+    except ImportError as exc:
+        raise StartupError(
+            f"HOTPOOL_BACKEND=ray needs Ray: pip install 'hotpool[ray]' ({exc})"
+        ) from None
+    except (ConnectionError, RuntimeError) as exc:
+        where = settings.ray_address or "a new local cluster"
+        raise StartupError(
+            f"cannot connect to Ray at {where} (HOTPOOL_RAY_ADDRESS): {exc}"
+        ) from None
+    url = control_plane_url(settings, host, port, cluster_ip)
+    log.info("Ray cluster joined as %s (%g GPUs); workers reach us at %s", cluster_ip, gpus, url)
+    config = rb.RayWorkerConfig(
+        control_plane_url=url,
+        token=token,
+        device=settings.device,
+        log_level=settings.log_level,
+        cpus_per_worker=settings.ray_worker_cpus,
+        threads=settings.worker_threads,
+        env=rb.forwarded_env(os.environ),
+    )
+    return rb.RayWorkerBackend(config, gpus)
 
 
 def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> None:
@@ -68,25 +133,11 @@ def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> Non
             "set HOTPOOL_PORT or --port to another port"
         ) from None
     host, port = sock.getsockname()[:2]
-    connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     token = settings.worker_token or secrets.token_urlsafe(32)
-    gpus = visible_gpus() if settings.device != "cpu" else ()
-    if gpus and settings.max_workers > len(gpus):
-        log.info("%d GPU(s): at most %d workers, one per GPU", len(gpus), len(gpus))
-        settings = replace(settings, max_workers=len(gpus))
-    threads = settings.worker_threads or max(1, (os.cpu_count() or 1) // settings.max_workers)
-    backend = LocalProcessBackend(
-        LocalWorkerConfig(
-            control_plane_url=f"http://{connect_host}:{port}",
-            token=token,
-            cache_dir=settings.cache_dir,
-            log_dir=settings.home / "logs",
-            device=settings.device,
-            log_level=settings.log_level,
-            threads=threads,
-            gpus=gpus,
-        )
-    )
+    if settings.backend == "ray":
+        backend: WorkerBackend = ray_backend(settings, host, port, token)
+    else:
+        settings, backend = local_backend(settings, host, port, token)
     app = create_app(build_services(settings, db, backend, token))
     print(
         f"hotpool is serving on http://{host}:{port} (data in {settings.home});"

@@ -145,3 +145,58 @@ def test_messages_say_what_is_expected(tmp_path: Path) -> None:
 def test_warm_workers_can_be_turned_off(tmp_path: Path) -> None:
     s = load_settings({"HOTPOOL_HOME": str(tmp_path), "HOTPOOL_WARM_WORKERS": "0"})
     assert s.warm_workers == 0
+
+
+# --- worker backend (issue 10) ---------------------------------------------------------------
+
+
+def test_backend_defaults_to_local_processes(tmp_path: Path) -> None:
+    s = load_settings({"HOTPOOL_HOME": str(tmp_path)})
+    assert (s.backend, s.ray_address, s.ray_worker_cpus) == ("local", None, 1.0)
+    assert s.control_plane_url is None
+
+
+@pytest.mark.parametrize(
+    "address", ["auto", "10.0.0.5:6379", "ray-head.hotpool.svc:6379", "ray://ray-head:10001"]
+)
+def test_ray_settings_are_read(tmp_path: Path, address: str) -> None:
+    s = load_settings(
+        {
+            "HOTPOOL_HOME": str(tmp_path),
+            "HOTPOOL_BACKEND": " Ray ",
+            "HOTPOOL_RAY_ADDRESS": address,
+            "HOTPOOL_RAY_WORKER_CPUS": "0.5",
+            "HOTPOOL_CONTROL_PLANE_URL": "http://hotpool.hotpool.svc:8000/",
+        }
+    )
+    assert (s.backend, s.ray_address, s.ray_worker_cpus) == ("ray", address, 0.5)
+    assert s.control_plane_url == "http://hotpool.hotpool.svc:8000"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("HOTPOOL_BACKEND", "kubernetes", "local, ray"),
+        ("HOTPOOL_RAY_ADDRESS", "ray-head", "host:port"),
+        ("HOTPOOL_RAY_ADDRESS", "http://ray-head:8265", "host:port"),
+        ("HOTPOOL_RAY_ADDRESS", "ray://ray-head:port", "host:port"),
+        ("HOTPOOL_RAY_ADDRESS", "ray-head:99999", "host:port"),
+        ("HOTPOOL_RAY_WORKER_CPUS", "0", "> 0"),
+        ("HOTPOOL_RAY_WORKER_CPUS", "many", "float"),
+        ("HOTPOOL_CONTROL_PLANE_URL", "hotpool:8000", "http://"),
+    ],
+)
+def test_bad_backend_settings_name_the_variable(
+    tmp_path: Path, name: str, value: str, expected: str
+) -> None:
+    env = {"HOTPOOL_HOME": str(tmp_path), "HOTPOOL_BACKEND": "ray", name: value}
+    with pytest.raises(SettingsError) as info:
+        load_settings(env)
+    assert str(info.value).startswith(f"{name}={value!r} is invalid")
+    assert expected in str(info.value)
+
+
+def test_ray_address_without_the_ray_backend_is_an_error(tmp_path: Path) -> None:
+    # Ignoring it would quietly run every worker on this machine instead of the cluster.
+    with pytest.raises(SettingsError, match="HOTPOOL_BACKEND=ray"):
+        load_settings({"HOTPOOL_HOME": str(tmp_path), "HOTPOOL_RAY_ADDRESS": "auto"})
