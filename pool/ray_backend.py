@@ -79,14 +79,17 @@ def worker_threads(threads: int | None, cpus: float) -> int:
     return threads if threads is not None else max(1, int(cpus))
 
 
+# Never sent to the nodes: the token travels apart (never inherited by accident), and the
+# database URL holds the ledger's password while workers never touch the ledger.
+NOT_FORWARDED = frozenset({"HOTPOOL_WORKER_TOKEN", "HOTPOOL_DATABASE_URL"})
+
+
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The control plane's ``HOTPOOL_*`` settings a remote worker needs (KV cache size,
     batch limits, snapshot cache, S3 endpoint...): a Ray worker inherits its node's
-    environment, not the control plane's. The token is set apart (never inherited by
-    accident); object store credentials are not forwarded: the nodes carry their own."""
-    return {
-        k: v for k, v in environ.items() if k.startswith("HOTPOOL_") and k != "HOTPOOL_WORKER_TOKEN"
-    }
+    environment, not the control plane's. Object store credentials are not forwarded
+    either: the nodes carry their own."""
+    return {k: v for k, v in environ.items() if k.startswith("HOTPOOL_") and k not in NOT_FORWARDED}
 
 
 def worker_env(

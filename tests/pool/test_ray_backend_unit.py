@@ -56,6 +56,7 @@ def test_remote_workers_get_the_control_planes_settings_but_not_its_token() -> N
         "HOTPOOL_KV_CACHE_BYTES": "64m",
         "HOTPOOL_S3_ENDPOINT_URL": "http://minio:9000",
         "HOTPOOL_WORKER_TOKEN": "secret",  # the backend sets it itself
+        "HOTPOOL_DATABASE_URL": "postgresql://hotpool:pw@db/hotpool",  # the ledger's password
         "AWS_SECRET_ACCESS_KEY": "not-forwarded",
         "PATH": "/usr/bin",
     }
