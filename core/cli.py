@@ -181,9 +181,12 @@ def deploy(
     if canary is not None:
         out = _call("PATCH", f"{base}/{name}", json={**body, "canary": {"percent": canary}})
         click.echo(describe(out))
-    elif _call("GET", f"{base}/{name}", missing_ok=True) is not None:
+    elif (current := _call("GET", f"{base}/{name}", missing_ok=True)) is not None:
         out = _call("PATCH", f"{base}/{name}", json=body)
-        click.echo(f"rolled out version {out['version']} of {name} from {out['snapshot_uri']}")
+        if out["version"] == current["version"]:
+            click.echo(f"{name} already serves {out['snapshot_uri']} (version {out['version']})")
+        else:
+            click.echo(f"rolled out version {out['version']} of {name} from {out['snapshot_uri']}")
     else:
         out = _call("POST", base, json={"name": name, **body})
         click.echo(f"deployed {out['name']} from {out['snapshot_uri']}")

@@ -28,8 +28,7 @@ def describe(deployment: dict[str, Any]) -> str:
 @URL_OPTION
 def promote(name: str, url: str | None) -> None:
     """Make deployment NAME's canary its stable version; the old one drains."""
-    out = call_api("POST", f"{api_url(url)}/v1/deployments/{name}/promote")
-    click.echo(describe(out))
+    _act(name, "promote", url)
 
 
 @click.command()
@@ -37,8 +36,11 @@ def promote(name: str, url: str | None) -> None:
 @URL_OPTION
 def rollback(name: str, url: str | None) -> None:
     """Send all of NAME's traffic back to the previous stable version, at once."""
-    out = call_api("POST", f"{api_url(url)}/v1/deployments/{name}/rollback")
-    click.echo(describe(out))
+    _act(name, "rollback", url)
+
+
+def _act(name: str, action: str, url: str | None) -> None:
+    click.echo(describe(call_api("POST", f"{api_url(url)}/v1/deployments/{name}/{action}")))
 
 
 @click.command()

@@ -42,6 +42,7 @@ from hotpool.platform.openapi import openapi_json
 from hotpool.platform.router import Router
 from hotpool.platform.scale_log import ScaleEventWriter
 from hotpool.platform.services import Services
+from hotpool.platform.worker_stream import WorkerStreams
 from hotpool.pool.autoscaler import Autoscaler
 from hotpool.pool.backend import WorkerBackend
 from hotpool.pool.pool import ScaleEvent, WorkerPool
@@ -106,7 +107,7 @@ def build_services(
         router=router,
         ledger_writer=writer,
         scale_events=scale_log,
-        invoker=Invoker(router, pool.client, writer, metrics),
+        invoker=Invoker(router, pool.client, writer, metrics, WorkerStreams(worker_token)),
         autoscaler=autoscaler,
         metrics=metrics,
         worker_token=worker_token,
@@ -181,6 +182,7 @@ def create_app(services: Services) -> Starlette:
             scaler.cancel()
             await asyncio.gather(scaler, return_exceptions=True)
             await services.pool.shutdown()
+            await services.invoker.close()
             # After the pool, so every request has ended: each record goes to the database,
             # or to the spool if it is down; nothing metered is lost on a clean stop.
             await services.ledger_writer.close()

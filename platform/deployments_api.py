@@ -174,22 +174,21 @@ async def update_deployment(request: Request) -> Response:
 
 async def promote_deployment(request: Request) -> Response:
     """The canary becomes the stable version; the old stable version's replicas drain."""
-    principal = await authorize(request, "deploy")
-    services: Services = request.app.state.services
-    name = _owned_or_404(services, request.path_params["name"], principal).name
-    updated = await _versioned(name, services.catalog.promote(name))
-    services.autoscaler.wake()
-    return JSONResponse(deployment_json(updated, services))
+    return await _version_action(request, "promote")
 
 
 async def rollback_deployment(request: Request) -> Response:
     """All traffic back to the previous stable version, at once: during a canary, the
     stable version; otherwise the version stable before the last change."""
+    return await _version_action(request, "rollback")
+
+
+async def _version_action(request: Request, action: str) -> Response:
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
     name = _owned_or_404(services, request.path_params["name"], principal).name
-    updated = await _versioned(name, services.catalog.rollback(name))
-    services.autoscaler.wake()
+    updated = await _versioned(name, getattr(services.catalog, action)(name))
+    services.autoscaler.wake()  # drain what no longer serves now, not at the next tick
     return JSONResponse(deployment_json(updated, services))
 
 

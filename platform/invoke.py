@@ -25,6 +25,7 @@ from hotpool.platform.ledger_writer import LedgerWriter
 from hotpool.platform.metrics import Metrics
 from hotpool.platform.router import Lease, Router, Target
 from hotpool.platform.schemas import CompletionCall
+from hotpool.platform.worker_stream import WorkerStreams
 from hotpool.worker.protocol import GenerateEvent, GenerateRequest, Usage
 
 log = logging.getLogger("hotpool.invoke")
@@ -73,10 +74,16 @@ class _Tally:
 
 class Invoker:
     def __init__(
-        self, router: Router, client: httpx.AsyncClient, ledger: LedgerWriter, metrics: Metrics
+        self,
+        router: Router,
+        client: httpx.AsyncClient,
+        ledger: LedgerWriter,
+        metrics: Metrics,
+        streams: WorkerStreams | None = None,
     ) -> None:
         self.router = router
-        self.client = client
+        self.client = client  # aborts; the streams themselves go through `streams`
+        self.streams = streams
         self.ledger = ledger
         self.metrics = metrics
         self._background: set[asyncio.Task[None]] = set()
@@ -196,12 +203,24 @@ class Invoker:
 
     async def _stream(self, lease: Lease, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         url = f"{lease.replica.address}/generate"
-        async with self.client.stream("POST", url, json=request.to_json()) as resp:
-            if resp.status_code != 200:
-                raise _worker_error(resp.status_code, await resp.aread())
-            async for line in resp.aiter_lines():
-                if line:
-                    yield GenerateEvent.from_json(json.loads(line))
+        if self.streams is None:  # no lean client given (tests that build their own)
+            async with self.client.stream("POST", url, json=request.to_json()) as resp:
+                if resp.status_code != 200:
+                    raise _worker_error(resp.status_code, await resp.aread())
+                async for text in resp.aiter_lines():
+                    if text:
+                        yield GenerateEvent.from_json(json.loads(text))
+            return
+        body = json.dumps(request.to_json()).encode()
+        async with self.streams.post(url, body) as response:
+            if response.status != 200:
+                raise _worker_error(response.status, await response.read())
+            async for line in response.lines():
+                yield GenerateEvent.from_json(json.loads(line))
+
+    async def close(self) -> None:
+        if self.streams is not None:
+            await self.streams.aclose()
 
     def _abort_later(self, lease: Lease | None, request_id: str) -> None:
         # Runs outside the cancelled request's scope, where awaiting is still allowed.

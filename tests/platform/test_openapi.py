@@ -106,6 +106,9 @@ class ScriptedInvoker:
     """Answers like a replica would (``n`` choices, logprobs when asked, usage on the last
     event), so the success path of every invocation route meets the document too."""
 
+    async def close(self) -> None:
+        pass
+
     async def generate(
         self,
         target: Target,

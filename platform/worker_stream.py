@@ -1,0 +1,195 @@
+"""The hot path to the workers: ``POST /generate`` and its newline-delimited JSON stream,
+over plain asyncio streams with keep-alive connections.
+
+Every token of every request crosses this hop, so its cost per request and per event is
+the control plane's added latency. httpx is general (HTTP/2, proxies, cookies, many
+hooks) and costs about a millisecond of Python per request here; this client speaks just
+the HTTP/1.1 a worker (uvicorn) answers with: a request with a Content-Length body, a
+response with a chunked or Content-Length body, keep-alive. Everything else about the
+workers (load, unload, abort, health) still goes through httpx.
+
+Failures raise httpx's transport exceptions (``ConnectError``, ``ReadError``,
+``RemoteProtocolError``), so callers keep one contract: the invoker retries a request that
+failed before its first token on ``httpx.TransportError``, whichever client failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+
+MAX_IDLE_PER_WORKER = 64  # kept-alive connections per worker address
+MAX_LINE = 64 * 1024  # a status line, a header, a chunk-size line
+CONNECT_TIMEOUT_S = 10.0
+
+_Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+@dataclass
+class WorkerResponse:
+    status: int
+    headers: dict[str, str]
+    _reader: asyncio.StreamReader
+    _chunked: bool
+    _length: int | None
+    done: bool = False  # the whole body was read: the connection may be reused
+    _pending: bytes = field(default=b"", repr=False)
+
+    async def read(self) -> bytes:
+        """The whole body (an error answer, say)."""
+        parts = [part async for part in self._parts()]
+        return b"".join(parts)
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        """The body's lines without their newlines, as they arrive; empty lines skipped."""
+        buffer = b""
+        async for part in self._parts():
+            buffer += part
+            if b"\n" not in buffer:
+                continue
+            *complete, buffer = buffer.split(b"\n")
+            for line in complete:
+                if line:
+                    yield line
+        if buffer:
+            yield buffer
+
+    async def _parts(self) -> AsyncIterator[bytes]:
+        r = self._reader
+        try:
+            if not self._chunked:
+                left = self._length
+                while left is None or left > 0:
+                    data = await r.read(65536 if left is None else min(left, 65536))
+                    if not data:
+                        if left is None:  # read to the end: the connection ends with it
+                            return
+                        raise httpx.RemoteProtocolError("the worker closed mid-body")
+                    if left is not None:
+                        left -= len(data)
+                    yield data
+                self.done = True
+                return
+            while True:
+                size_line = await r.readuntil(b"\r\n")
+                size = int(size_line.split(b";", 1)[0].strip(), 16)
+                if size == 0:
+                    while await r.readuntil(b"\r\n") != b"\r\n":  # trailers, if any
+                        pass
+                    self.done = True
+                    return
+                data = await r.readexactly(size + 2)
+                yield data[:-2]
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            raise httpx.RemoteProtocolError(f"bad response from the worker: {exc!r}") from exc
+        except (ConnectionError, OSError) as exc:
+            raise httpx.ReadError(f"lost the worker: {exc!r}") from exc
+
+
+class WorkerStreams:
+    """Keep-alive connections to each worker, and one streamed request at a time on each."""
+
+    def __init__(self, token: str) -> None:
+        self._auth = f"Bearer {token}".encode()
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+
+    @contextlib.asynccontextmanager
+    async def post(self, url: str, body: bytes) -> AsyncIterator[WorkerResponse]:
+        """``POST url`` with a JSON ``body``; the response, its body to be read inside."""
+        parts = urlsplit(url)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        key = (host, port)
+        head = (
+            (
+                f"POST {parts.path or '/'} HTTP/1.1\r\nhost: {parts.netloc}\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            ).encode()
+            + b"authorization: "
+            + self._auth
+            + b"\r\n\r\n"
+        )
+        reader, writer, reused = await self._connection(key)
+        response: WorkerResponse | None = None
+        try:
+            try:
+                writer.write(head + body)
+                await writer.drain()
+                response = await self._response(reader)
+            except httpx.TransportError:
+                if not reused:
+                    raise
+                # A kept-alive connection the worker closed meanwhile: once more, fresh.
+                writer.close()
+                reader, writer, _ = await self._connection(key, fresh=True)
+                writer.write(head + body)
+                await writer.drain()
+                response = await self._response(reader)
+            yield response
+        finally:
+            if response is not None and response.done and not _closing(response):
+                self._release(key, (reader, writer))
+            else:
+                writer.close()  # mid-body (the caller stopped early) or broken: not reusable
+
+    async def aclose(self) -> None:
+        for conns in self._idle.values():
+            for _, writer in conns:
+                writer.close()
+        self._idle.clear()
+
+    async def _connection(
+        self, key: tuple[str, int], fresh: bool = False
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
+        idle = self._idle.get(key)
+        while idle and not fresh:
+            reader, writer = idle.pop()
+            if not writer.is_closing() and not reader.at_eof():
+                return reader, writer, True
+            writer.close()
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(*key, limit=MAX_LINE), CONNECT_TIMEOUT_S
+            )
+        except (OSError, TimeoutError) as exc:
+            raise httpx.ConnectError(
+                f"cannot reach the worker at {key[0]}:{key[1]}: {exc!r}"
+            ) from exc
+        sock = writer.get_extra_info("socket")
+        if sock is not None:  # each event is a small write that must not wait (Nagle)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return reader, writer, False
+
+    def _release(self, key: tuple[str, int], conn: _Conn) -> None:
+        idle = self._idle.setdefault(key, [])
+        if len(idle) < MAX_IDLE_PER_WORKER:
+            idle.append(conn)
+        else:
+            conn[1].close()
+
+    async def _response(self, reader: asyncio.StreamReader) -> WorkerResponse:
+        try:
+            status_line = await reader.readuntil(b"\r\n")
+            if not status_line.startswith(b"HTTP/1."):
+                raise httpx.RemoteProtocolError(f"not an HTTP response: {status_line[:40]!r}")
+            status = int(status_line.split(b" ", 2)[1])
+            headers: dict[str, str] = {}
+            while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+                name, _, value = line.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            raise httpx.ReadError(f"the worker closed the connection: {exc!r}") from exc
+        except (asyncio.LimitOverrunError, ValueError, IndexError) as exc:
+            raise httpx.RemoteProtocolError(f"bad response from the worker: {exc!r}") from exc
+        chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        length = None if chunked else int(headers.get("content-length", "-1"))
+        return WorkerResponse(status, headers, reader, chunked, None if length == -1 else length)
+
+
+def _closing(response: WorkerResponse) -> bool:
+    return response.headers.get("connection", "").lower() == "close"
