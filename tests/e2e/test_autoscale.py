@@ -275,16 +275,22 @@ def test_busy_deployment_cannot_starve_another(one_worker: Server) -> None:
         while not stop.is_set():
             statuses.append(complete(one_worker, "busy", max_tokens=24).status_code)
 
-    t = threading.Thread(target=hammer)
-    t.start()
+    # Two overlapping hammers: with one, the moment between its requests leaves "busy" idle
+    # for a few milliseconds, and a plain LRU eviction (not the preemption tested here) can
+    # land in it.
+    threads = [threading.Thread(target=hammer) for _ in range(2)]
+    threads[0].start()
+    one_worker.wait_for("busy to serve", lambda: bool(statuses), 60)
+    threads[1].start()
     try:
-        one_worker.wait_for("busy to serve", lambda: bool(statuses), 60)
+        time.sleep(0.5)  # both in flight
         t0 = time.monotonic()
         r = complete(one_worker, "patient")
         waited = time.monotonic() - t0
     finally:
         stop.set()
-        t.join()
+        for t in threads:
+            t.join()
     assert r.status_code == 200, r.text
     assert waited < 60
     assert statuses and set(statuses) == {200}  # busy's requests queued meanwhile, none lost
