@@ -138,6 +138,16 @@ def _byte_size(raw: str) -> int:
     return value
 
 
+def _byte_size_or_off(raw: str) -> int:
+    """A byte size as :func:`_byte_size` reads it, or ``0``: the feature is off."""
+    if raw.strip() == "0":
+        return 0
+    try:
+        return _byte_size(raw)
+    except ValueError:
+        raise ValueError("must be 0 (off) or at least 1m (bytes, or with a k/m/g suffix)") from None
+
+
 def _port(raw: str) -> int:
     value = int(raw)
     if not 0 <= value <= 65535:
@@ -246,7 +256,7 @@ def _load(env: Mapping[str, str]) -> Settings:
         max_num_seqs=_parse(env, "HOTPOOL_MAX_NUM_SEQS", 64, _positive_int),
         max_num_batched_tokens=_parse(env, "HOTPOOL_MAX_NUM_BATCHED_TOKENS", 2048, _positive_int),
         snapshot_cache_bytes=_parse(env, "HOTPOOL_SNAPSHOT_CACHE_BYTES", 20 << 30, _byte_size),
-        host_cache_bytes=_parse(env, "HOTPOOL_HOST_CACHE_BYTES", 4 << 30, _byte_size),
+        host_cache_bytes=_parse(env, "HOTPOOL_HOST_CACHE_BYTES", 4 << 30, _byte_size_or_off),
         s3_endpoint_url=s3_endpoint_url(env),
         spool_dir=_parse(env, "HOTPOOL_SPOOL_DIR", home / "spool", Path).expanduser().resolve(),
         inflight_every_tokens=_parse(env, "HOTPOOL_INFLIGHT_EVERY_TOKENS", 16, _positive_int),

@@ -147,6 +147,16 @@ def test_warm_workers_can_be_turned_off(tmp_path: Path) -> None:
     assert s.warm_workers == 0
 
 
+def test_the_host_memory_tier_can_be_turned_off_but_not_made_tiny(tmp_path: Path) -> None:
+    def host(value: str) -> int:
+        env = {"HOTPOOL_HOME": str(tmp_path), "HOTPOOL_HOST_CACHE_BYTES": value}
+        return load_settings(env).host_cache_bytes
+
+    assert (host("0"), host("512m"), host("2GiB")) == (0, 512 << 20, 2 << 30)
+    with pytest.raises(SettingsError, match="must be 0 \\(off\\) or at least 1m"):
+        host("100k")
+
+
 # --- worker backend (issue 10) ---------------------------------------------------------------
 
 
