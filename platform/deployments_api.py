@@ -12,6 +12,7 @@ delete drains every replica; its usage stays in the ledger.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any
 
@@ -99,10 +100,10 @@ def _made_by(principal: Principal) -> str:
     return principal.key.prefix if principal.key else "local"
 
 
-async def _versioned(name: str, op: Any) -> DeploymentSpec:
+async def _versioned(name: str, op: Awaitable[DeploymentSpec]) -> DeploymentSpec:
     """Run a catalog operation, turning the store's errors into API errors."""
     try:
-        return await op  # type: ignore[no-any-return]
+        return await op
     except DeploymentNotFound:  # deleted meanwhile
         raise APIError(
             404, f"deployment {name!r} does not exist", code="deployment_not_found"

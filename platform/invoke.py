@@ -79,7 +79,7 @@ class Invoker:
         client: httpx.AsyncClient,
         ledger: LedgerWriter,
         metrics: Metrics,
-        streams: WorkerStreams | None = None,
+        streams: WorkerStreams,
     ) -> None:
         self.router = router
         self.client = client  # aborts; the streams themselves go through `streams`
@@ -203,14 +203,6 @@ class Invoker:
 
     async def _stream(self, lease: Lease, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         url = f"{lease.replica.address}/generate"
-        if self.streams is None:  # no lean client given (tests that build their own)
-            async with self.client.stream("POST", url, json=request.to_json()) as resp:
-                if resp.status_code != 200:
-                    raise _worker_error(resp.status_code, await resp.aread())
-                async for text in resp.aiter_lines():
-                    if text:
-                        yield GenerateEvent.from_json(json.loads(text))
-            return
         body = json.dumps(request.to_json()).encode()
         async with self.streams.post(url, body) as response:
             if response.status != 200:
@@ -219,8 +211,7 @@ class Invoker:
                 yield GenerateEvent.from_json(json.loads(line))
 
     async def close(self) -> None:
-        if self.streams is not None:
-            await self.streams.aclose()
+        await self.streams.aclose()
 
     def _abort_later(self, lease: Lease | None, request_id: str) -> None:
         # Runs outside the cancelled request's scope, where awaiting is still allowed.
