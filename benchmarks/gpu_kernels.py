@@ -1,13 +1,9 @@
-"""GPU checks for the Triton sampler: the kernel tests on CUDA, then its speed against the
-device's copy bandwidth, the torch path and FlashInfer, in one table.
+"""GPU checks for the Triton sampler: its speed against the device's copy bandwidth, the
+torch path and FlashInfer, in one table, then the kernel tests on CUDA.
 
-    bash benchmarks/run_gpu_checks.sh            # the same as: python benchmarks/gpu_kernels.py
+    bash benchmarks/run_gpu_checks.sh [--sweep]  # the same as: python benchmarks/gpu_kernels.py
 
-1. ``pytest tests/kernels -x -q --noconftest`` in this process, with the sampling kernel
-   compiled for CUDA: it is imported before any test module runs, so a test module that sets
-   ``TRITON_INTERPRET`` (test_triton_paged_attention.py does, for its own kernels) cannot
-   turn it into the interpreter. A failure is reported and the table still follows; the
-   exit status is then 1. ``--skip-tests`` skips this step.
+1. The table (below) first: it is what the device time is for.
 2. For each shape and mix of rows, the median time (``triton.testing.do_bench``: CUDA events,
    warm-ups, the L2 cache flushed before each call) of
    - ``copy``: ``dst.copy_(logits)``; its bandwidth counts the bytes read and written;
@@ -20,16 +16,23 @@ device's copy bandwidth, the torch path and FlashInfer, in one table.
      ``import flashinfer`` works, for the mixes it covers (temperature 1).
    The issue's target: at B=256, V=128256 the kernel reaches >= 70% of the copy bandwidth and
    is no slower than FlashInfer.
+3. ``--sweep`` (before the table): the kernel's launch shape (tile width x warps) tried
+   directly at B=256, V=128256 beside a plain row-sum kernel of the same shape (see
+   ``sweep``); with ``--adopt`` the table and the tests then use the fastest.
+4. ``pytest tests/kernels --noconftest`` in this process, with the sampling kernel already
+   compiled for CUDA (imported before any test module, so nothing can turn it into the
+   interpreter). A failure makes the exit status 1. ``--skip-tests`` skips this step.
 
 Without CUDA it stops at once with a message and exit status 2. On a bare GPU machine
 (``python3`` with torch, triton, pytest and hypothesis, nothing installed from here) it
-imports ``hotpool.kernels`` straight from the checkout. With the device tool:
-``run(command="bash benchmarks/run_gpu_checks.sh", timeout_s=540)``.
+imports ``hotpool`` straight from the checkout, each package from its pyproject folder.
+With the device tool: ``run(command="bash benchmarks/run_gpu_checks.sh", timeout_s=540)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -66,21 +69,35 @@ MIXES = [
 ]
 
 
-def import_hotpool_kernels() -> None:
-    """``hotpool.kernels`` importable: installed, or else straight from this checkout (the
-    folders ``core`` and ``kernels`` as pyproject maps them), so a bare GPU machine needs no
-    install."""
+def import_hotpool() -> None:
+    """``hotpool`` importable: installed, or else straight from this checkout, each package
+    from the folder pyproject.toml maps it to, so a bare GPU machine needs no install."""
     try:
-        import hotpool.kernels  # noqa: F401
+        import hotpool.kernels
+        import hotpool.worker  # noqa: F401
     except ImportError:
-        for name, folder in (("hotpool", "core"), ("hotpool.kernels", "kernels")):
-            spec = importlib.util.spec_from_file_location(
-                name, REPO / folder / "__init__.py", submodule_search_locations=[str(REPO / folder)]
-            )
-            assert spec is not None and spec.loader is not None
+        import tomllib
+
+        project = tomllib.loads((REPO / "pyproject.toml").read_text())
+        folders = project["tool"]["setuptools"]["package-dir"]
+        for name in sorted(folders, key=lambda n: n.count(".")):  # parents first
+            folder = REPO / folders[name]
+            init = folder / "__init__.py"
+            if init.exists():
+                spec = importlib.util.spec_from_file_location(
+                    name, init, submodule_search_locations=[str(folder)]
+                )
+            else:  # a namespace package (hotpool.platform)
+                spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+                spec.submodule_search_locations = [str(folder)]
+            assert spec is not None
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
-            spec.loader.exec_module(module)
+            if spec.loader is not None:
+                spec.loader.exec_module(module)
+            if "." in name:
+                parent, _, child = name.rpartition(".")
+                setattr(sys.modules[parent], child, module)
 
 
 def fail(message: str) -> None:
@@ -194,37 +211,120 @@ def bench(shapes: list[tuple[int, int]], mixes: list[Mix]) -> None:
         print(f"note: {note}")
 
 
+SWEEP_MIXES = [MIXES[0], MIXES[1], MIXES[3], MIXES[4]]
+
+
+def sweep(b: int = 256, v: int = 128256) -> tuple[int, int]:
+    """The kernel's launch shape, tried directly: tile width ``BLOCK`` x ``num_warps``, one
+    row per program, against a plain row-sum kernel of the same shape (the most one program
+    per row can read), with the kernel's registers and spills. Returns the shape with the
+    least geometric-mean time over the mixes."""
+    import math
+
+    import triton
+    import triton.language as tl
+
+    from hotpool.kernels.triton_sampling import _GREEDY_BELOW, _sample_kernel
+
+    @triton.jit
+    def row_sum(x_ptr, out_ptr, V, BLOCK: tl.constexpr):
+        base = x_ptr + tl.program_id(0).to(tl.int64) * V
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            acc += tl.load(base + idx, mask=idx < V, other=0.0)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+    logits = lm_like_logits(b, v)
+    out = torch.empty(b, device="cuda")
+    tokens = torch.empty(b, dtype=torch.int64, device="cuda")
+    logprobs = torch.empty(b, device="cuda")
+    read_gb = logits.numel() * 4 / 1e9
+
+    def row_sum_call(block: int, warps: int) -> Callable[[], object]:
+        return lambda: row_sum[(b,)](logits, out, v, BLOCK=block, num_warps=warps)
+
+    def sample_call(block: int, warps: int, mix: Mix) -> Callable[[], object]:
+        p = (
+            torch.full((b,), mix.temperature, device="cuda"),
+            torch.full((b,), mix.top_k, dtype=torch.int32, device="cuda"),
+            torch.full((b,), mix.top_p, device="cuda"),
+            torch.full((b,), mix.min_p, device="cuda"),
+            torch.full((b,), 7, dtype=torch.int64, device="cuda"),
+            torch.arange(b, device="cuda"),
+        )
+        return lambda: _sample_kernel[(b,)](
+            logits, logits.stride(0), *p, tokens, logprobs, b, v,
+            GREEDY_BELOW=_GREEDY_BELOW, BLOCK=block, ROWS=1, num_warps=warps,
+        )  # fmt: skip
+
+    print(f"\nsweep at B={b}, V={v} fp32: us per call (GB/s as one read of the logits)")
+    names = ["regs/spills", "row-sum", *(m.name for m in SWEEP_MIXES)]
+    print(f"{'BLOCK':>6} {'warps':>5} " + " ".join(f"{n:>18}" for n in names))
+    best: tuple[float, int, int] = (math.inf, 0, 0)
+    for block in (1024, 2048, 4096, 8192):
+        for warps in (4, 8, 16):
+            cells = []
+            try:
+                compiled = sample_call(block, warps, SWEEP_MIXES[0])()
+                regs = getattr(compiled, "n_regs", "?"), getattr(compiled, "n_spills", "?")
+                cells.append(f"{regs[0]}/{regs[1]}")
+                logs = []
+                for call in (row_sum_call(block, warps), *(
+                    sample_call(block, warps, m) for m in SWEEP_MIXES
+                )):  # fmt: skip
+                    ms = median_ms(call)
+                    cells.append(f"{ms * 1e3:.1f} ({read_gb / ms * 1e3:.0f})")
+                    logs.append(math.log(ms))
+                best = min(best, (sum(logs[1:]) / len(SWEEP_MIXES), block, warps))
+            except Exception as e:  # a shape that does not compile: say so, go on
+                cells.append(f"{type(e).__name__}: {e}"[:60])
+            print(f"{block:>6} {warps:>5} " + " ".join(f"{c:>18}" for c in cells))
+    print(f"fastest over the mixes (geometric mean): BLOCK={best[1]}, num_warps={best[2]}")
+    return best[1], best[2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--quick", action="store_true", help="the first shape only")
+    parser.add_argument("--sweep", action="store_true", help="first try other launch shapes")
+    parser.add_argument(
+        "--adopt", action="store_true", help="with --sweep: the table and tests use its best"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         fail("no CUDA device is visible to torch; these checks need a GPU")
     if os.environ.pop("TRITON_INTERPRET", None) not in (None, "0"):
         print("gpu_kernels: TRITON_INTERPRET was set; unset for this run", file=sys.stderr)
-    import_hotpool_kernels()
+    import_hotpool()
     try:
         from hotpool.kernels import triton_sampling
     except ImportError as e:
         fail(f"triton does not import: {e}")
     if triton_sampling.interpreted():
         fail("the sampling kernel was decorated for the interpreter; run in a fresh process")
-    failed = False
+    # The numbers first: they are what the device time is for, and a test that hangs
+    # cannot take them away.
+    if args.sweep:
+        block, warps = sweep()
+        if args.adopt and block:
+            triton_sampling.GPU_BLOCK, triton_sampling.GPU_WARPS = block, warps
+    print(f"\nthe wrapper launches BLOCK={triton_sampling.GPU_BLOCK}, "
+          f"num_warps={triton_sampling.GPU_WARPS}")  # fmt: skip
+    bench(SHAPES[:1] if args.quick else SHAPES, MIXES)
     if not args.skip_tests:
         import pytest
 
         # No conftest: the suite's root one needs the model-conversion packages, and the
         # kernels' own only chooses the interpreter where there is no GPU.
         tests = str(REPO / "tests" / "kernels")
-        code = pytest.main([tests, "-x", "-q", "--noconftest", "-p", "no:cacheprovider"])
-        failed = code != 0
-        if failed:  # the table is still worth its device time; the exit status says it
+        code = pytest.main(
+            [tests, "-q", "--maxfail=5", "--durations=10", "--noconftest", "-p", "no:cacheprovider"]
+        )
+        if code != 0:
             print(f"gpu_kernels: kernel tests FAILED on CUDA (pytest exit {code})", file=sys.stderr)
-        os.environ.pop("TRITON_INTERPRET", None)  # a test module may have set it
-    bench(SHAPES[:1] if args.quick else SHAPES, MIXES)
-    if failed:
-        raise SystemExit(1)
+            raise SystemExit(1)
 
 
 if __name__ == "__main__":

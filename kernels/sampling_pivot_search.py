@@ -86,22 +86,26 @@ def threshold(
             p = float_unkey(ka + (float_key(b) - ka) // 2)
         rounds += 1
         p2 = p[:, None]
-        g = tl.zeros([ROWS], tl.float32)
-        above = tl.full([ROWS], float("inf"), tl.float32)  # smallest logit > p
-        at_or_above = tl.full([ROWS], float("inf"), tl.float32)  # smallest logit >= p
-        below = tl.full([ROWS], float("-inf"), tl.float32)  # largest logit < p
+        # Per-lane sums and extremes, reduced once after the pass (see the sampling kernel).
+        g_l = tl.zeros([ROWS, BLOCK], tl.float32)
+        above_l = tl.full([ROWS, BLOCK], float("inf"), tl.float32)  # smallest logit > p
+        at_or_above_l = tl.full([ROWS, BLOCK], float("inf"), tl.float32)  # smallest >= p
+        below_l = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)  # largest logit < p
         for start in range(0, V, BLOCK):
             x = load_tile(base, start + cols, row_ok, V)
             keep, w = survives(x, m2, inv_t2, vk2, min_p2)
             gt = keep & (x > p2)
             if BY_MASS:
-                g += tl.sum(tl.where(gt, w, 0.0), axis=1)
+                g_l += tl.where(gt, w, 0.0)
             else:
-                g += tl.sum(gt.to(tl.float32), axis=1)
-            above = tl.minimum(above, tl.min(tl.where(gt, x, float("inf")), axis=1))
-            ge = keep & (x >= p2)
-            at_or_above = tl.minimum(at_or_above, tl.min(tl.where(ge, x, float("inf")), axis=1))
-            below = tl.maximum(below, tl.max(tl.where(keep & (x < p2), x, float("-inf")), axis=1))
+                g_l += gt.to(tl.float32)
+            above_l = tl.minimum(above_l, tl.where(gt, x, float("inf")))
+            at_or_above_l = tl.minimum(at_or_above_l, tl.where(keep & (x >= p2), x, float("inf")))
+            below_l = tl.maximum(below_l, tl.where(keep & (x < p2), x, float("-inf")))
+        g = tl.sum(g_l, axis=1)
+        above = tl.min(above_l, axis=1)
+        at_or_above = tl.min(at_or_above_l, axis=1)
+        below = tl.max(below_l, axis=1)
         fits = active & (g < c)
         hi = tl.where(fits, at_or_above, hi)
         hb = tl.where(fits, below, hb)

@@ -47,17 +47,35 @@ from hotpool.kernels.sampling_pivot_search import any_row, load_tile, survives, 
 
 # As in hotpool.kernels.sampling: below this the row is greedy.
 _GREEDY_BELOW = 1e-5
-_MAX_BLOCK = 1024
+_MIN_BLOCK = 16  # four columns per Philox call
+# The tile width and warps of one program. The interpreter's tile ops run in numpy, where
+# width is cheap. On a GPU (one row per program) these were chosen on an H200 by
+# ``benchmarks/gpu_kernels.py --sweep``: wide enough that each program keeps enough loads in
+# flight to stream its row near the copy bandwidth, few enough lanes per thread that the
+# per-lane running values stay in registers.
+_CPU_BLOCK = 1024
+GPU_BLOCK = 4096
+GPU_WARPS = 8
 # Elements of one [ROWS, BLOCK] tile in the interpreter, where wide tiles are cheap.
 _CPU_TILE = 2**17
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _gumbel_scores(shifted, idx, seed, counter, inv_t):
-    """``shifted / T`` plus a Gumbel(0, 1) per token; ``shifted`` is ``x - max`` <= 0."""
+def _uniforms(seed, counter, start, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Uniforms for the tile of columns ``start + [0, BLOCK)``: one Philox call (four 32-bit
+    words) per four columns, so column ``i`` takes word ``i % 4`` (in a fixed order) of call
+    ``counter + i // 4``. ``counter`` ``[ROWS, 1]`` starts each row's own stream."""
+    calls = counter + (start // 4 + tl.arange(0, BLOCK // 4))[None, :]
+    u0, u1, u2, u3 = tl.rand4x(seed, calls)
+    u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [ROWS, BLOCK])
     # u = 0 (odds 2**-31) would score -inf; a tiny floor keeps the log finite instead.
-    u = tl.maximum(tl.rand(seed, counter + idx), 1e-30)
+    return tl.maximum(u, 1e-30)
+
+
+@triton.jit
+def _gumbel_scores(shifted, u, inv_t):
+    """``shifted / T`` plus a Gumbel(0, 1) per token; ``shifted`` is ``x - max`` <= 0."""
     return shifted * inv_t - tl.log(-tl.log(u))
 
 
@@ -89,45 +107,63 @@ def _sample_kernel(
     top_p = tl.load(top_p_ptr + rows, mask=row_ok, other=1.0)
     min_p = tl.load(min_p_ptr + rows, mask=row_ok, other=0.0)
     seed = tl.load(seed_ptr + rows, mask=row_ok, other=0)[:, None]
-    counter = (tl.load(offset_ptr + rows, mask=row_ok, other=0) * V)[:, None]
+    counter = (tl.load(offset_ptr + rows, mask=row_ok, other=0) * ((V + 3) // 4))[:, None]
     greedy = (t < GREEDY_BELOW) | (k == 1)
     k_on = (k > 0) & (k < V) & ~greedy
     p_on = (top_p < 1.0) & ~greedy
     filtered = k_on | p_on | ((min_p > 0.0) & ~greedy)
     plain = ~greedy & ~filtered
     inv_t = 1.0 / tl.maximum(t, GREEDY_BELOW)
+    inv_t2 = inv_t[:, None]
     any_plain = any_row(plain)
 
     # Pass 1: raw max and normaliser (online), argmax, smallest finite logit, NaN and +inf,
-    # and for temperature-only rows the Gumbel-max draw itself.
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    s = tl.zeros([ROWS], tl.float32)
-    best = tl.zeros([ROWS], tl.int32)
-    xmin = tl.full([ROWS], float("inf"), tl.float32)
-    bad = tl.zeros([ROWS], tl.int32)
-    score = tl.full([ROWS], float("-inf"), tl.float32)
-    token = tl.full([ROWS], -1, tl.int32)
+    # and for temperature-only rows the Gumbel-max draw itself. Every lane of the tile keeps
+    # its own running values and the row is reduced once after the loop: a reduction across
+    # the tile in every step would cost more than the step's loads.
+    neg = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
+    m_l = neg  # each lane's max
+    s_l = tl.zeros([ROWS, BLOCK], tl.float32)  # sum of exp(x - m_l)
+    best_l = tl.zeros([ROWS, BLOCK], tl.int32)  # where m_l is, first occurrence
+    xmin_l = tl.full([ROWS, BLOCK], float("inf"), tl.float32)
+    bad_l = tl.zeros([ROWS, BLOCK], tl.int32)
+    score_l = neg  # the best Gumbel score so far, relative to m_l
+    token_l = tl.full([ROWS, BLOCK], -1, tl.int32)
     for start in range(0, V, BLOCK):
         idx = start + cols
         x = load_tile(base, idx, row_ok, V)
-        bad += tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), axis=1)
-        bm = tl.max(x, axis=1)
-        best = tl.where(bm > m, start + tl.argmax(x, axis=1), best)  # strict: ties stay
-        m_new = tl.maximum(m, bm)
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
+        bad_l += ((x != x) | (x == float("inf"))).to(tl.int32)
+        up = x > m_l
+        d = x - tl.where(m_l > float("-inf"), m_l, 0.0)  # no -inf - -inf
+        # One exp per token: exp(-|d|) rescales the sum when the max moves, else adds to it.
+        e = tl.where(x > float("-inf"), tl.exp(-tl.abs(d)), 0.0)
+        s_l = tl.where(up, s_l * e + 1.0, s_l + e)
+        best_l = tl.where(up, idx, best_l)
         finite = (x > float("-inf")) & (x < float("inf"))
-        xmin = tl.minimum(xmin, tl.min(tl.where(finite, x, float("inf")), axis=1))
+        xmin_l = tl.minimum(xmin_l, tl.where(finite, x, float("inf")))
         if any_plain:
-            # Scores are relative to the running max: move the best so far to the new one.
-            score -= tl.where(m > float("-inf"), (m_safe - m) * inv_t, 0.0)
-            sc = _gumbel_scores(x - m_safe[:, None], idx, seed, counter, inv_t[:, None])
+            m_new = tl.maximum(m_l, x)
+            # Scores are relative to the lane's max: move the best so far to the new one.
+            score_l -= tl.where(up & (m_l > float("-inf")), d * inv_t2, 0.0)
+            u = _uniforms(seed, counter, start, ROWS, BLOCK)
+            sc = _gumbel_scores(x - tl.where(m_new > float("-inf"), m_new, 0.0), u, inv_t2)
             sc = tl.where(plain[:, None], sc, float("-inf"))
-            bs = tl.max(sc, axis=1)
-            won = bs > score
-            score = tl.where(won, bs, score)
-            token = tl.where(won, start + tl.argmax(sc, axis=1), token)
-        m = m_new
+            won = sc > score_l
+            score_l = tl.where(won, sc, score_l)
+            token_l = tl.where(won, idx, token_l)
+        m_l = tl.where(up, x, m_l)
+    m = tl.max(m_l, axis=1)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    s = tl.sum(tl.where(m_l > float("-inf"), s_l * tl.exp(m_l - m_safe[:, None]), 0.0), axis=1)
+    best = tl.min(tl.where(m_l == m[:, None], best_l, 2147483647), axis=1)
+    xmin = tl.min(xmin_l, axis=1)
+    bad = tl.sum(bad_l, axis=1)
+    score = tl.full([ROWS], float("-inf"), tl.float32)
+    token = tl.full([ROWS], -1, tl.int32)
+    if any_plain:
+        gs = tl.where(m_l > float("-inf"), score_l + (m_l - m_safe[:, None]) * inv_t2, neg)
+        score = tl.max(gs, axis=1)
+        token = tl.max(tl.where(gs == score[:, None], token_l, -1), axis=1)
     token = tl.where(greedy, best, token)
     # NaN or +inf anywhere, or no finite logit: no distribution to sample (token -1).
     valid = (bad == 0) & (m > float("-inf")) & (m < float("inf"))
@@ -148,28 +184,35 @@ def _sample_kernel(
         p_todo = p_on & todo
         if any_row(p_todo):
             # The survivors' mass and smallest logit, where the top_p search starts.
-            mass = tl.zeros([ROWS], tl.float32)
-            lo = tl.full([ROWS], float("inf"), tl.float32)
+            mass_l = tl.zeros([ROWS, BLOCK], tl.float32)
+            lo_l = tl.full([ROWS, BLOCK], float("inf"), tl.float32)
             for start in range(0, V, BLOCK):
                 x = load_tile(base, start + cols, row_ok, V)
-                keep, w = survives(x, mt[:, None], inv_t[:, None], vk[:, None], min_p[:, None])
-                mass += tl.sum(tl.where(keep, w, 0.0), axis=1)
-                lo = tl.minimum(lo, tl.min(tl.where(keep, x, float("inf")), axis=1))
-            lo = tl.where(p_todo, lo, float("inf"))
+                keep, w = survives(x, mt[:, None], inv_t2, vk[:, None], min_p[:, None])
+                mass_l += tl.where(keep, w, 0.0)
+                lo_l = tl.minimum(lo_l, tl.where(keep, x, float("inf")))
+            mass = tl.sum(mass_l, axis=1)
+            lo = tl.where(p_todo, tl.min(lo_l, axis=1), float("inf"))
             found = threshold(
                 base, row_ok, V, lo, mt, top_p * mass, mt, inv_t, vk, min_p, True, BLOCK, ROWS
             )
             thr = tl.where(p_todo, found, vk)
+        # The draw: scores relative to the row's max, so lanes compare as they are.
+        fs_l = neg
+        ft_l = tl.full([ROWS, BLOCK], -1, tl.int32)
         for start in range(0, V, BLOCK):
             idx = start + cols
             x = load_tile(base, idx, row_ok, V)
-            keep, _ = survives(x, mt[:, None], inv_t[:, None], thr[:, None], min_p[:, None])
-            sc = _gumbel_scores(x - mt[:, None], idx, seed, counter, inv_t[:, None])
+            keep, _ = survives(x, mt[:, None], inv_t2, thr[:, None], min_p[:, None])
+            u = _uniforms(seed, counter, start, ROWS, BLOCK)
+            sc = _gumbel_scores(x - mt[:, None], u, inv_t2)
             sc = tl.where(keep & todo[:, None], sc, float("-inf"))
-            bs = tl.max(sc, axis=1)
-            won = bs > score
-            score = tl.where(won, bs, score)
-            token = tl.where(won, start + tl.argmax(sc, axis=1), token)
+            won = sc > fs_l
+            fs_l = tl.where(won, sc, fs_l)
+            ft_l = tl.where(won, idx, ft_l)
+        fs = tl.max(fs_l, axis=1)
+        ft = tl.max(tl.where(fs_l == fs[:, None], ft_l, -1), axis=1)
+        token = tl.where(todo, ft, token)
 
     token = tl.where(valid, token, -1)
     tl.store(token_ptr + rows, token.to(tl.int64), mask=row_ok)
@@ -220,6 +263,7 @@ def triton_sample(
     offsets: torch.Tensor,
     *,
     rows_per_program: int | None = None,
+    block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` ``[B, V]`` and its logprob: ``([B] int64,
     [B] float32)``, on the logits' device, without waiting for it. A row holding NaN or
@@ -229,7 +273,8 @@ def triton_sample(
     and ``min_p`` float32, ``seeds`` and ``offsets`` int64 (the draw is a function of
     ``(seed, offset)`` and the row alone). Columns must be contiguous; rows may be strided.
     Parameter ranges are the caller's to check (``SamplingRow`` does).
-    ``rows_per_program`` (a power of two; None: chosen by device) changes the speed only.
+    ``rows_per_program`` and ``block``, the tile width (powers of two, block >= 16; None:
+    chosen by device), change the speed only: no token depends on them.
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[1] == 0:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)
@@ -258,8 +303,13 @@ def triton_sample(
     logprobs = torch.empty(b, dtype=torch.float32, device=dev)
     if b == 0:
         return tokens, logprobs
-    block = min(_MAX_BLOCK, triton.next_power_of_2(v))
-    rows = rows_per_program or _rows_per_program(b, block, dev.type != "cpu")
+    on_gpu = dev.type != "cpu"
+    if block is None:
+        widest = GPU_BLOCK if on_gpu else _CPU_BLOCK
+        block = max(_MIN_BLOCK, min(widest, triton.next_power_of_2(v)))
+    elif block < _MIN_BLOCK or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= {_MIN_BLOCK}, got {block}")
+    rows = rows_per_program or _rows_per_program(b, block, on_gpu)
     if rows < 1 or rows & (rows - 1):
         raise ValueError(f"rows_per_program must be a power of two, got {rows}")
     _sample_kernel[(triton.cdiv(b, rows),)](
@@ -278,5 +328,6 @@ def triton_sample(
         GREEDY_BELOW=_GREEDY_BELOW,
         BLOCK=block,
         ROWS=rows,
+        num_warps=max(1, min(GPU_WARPS, block // 256)) if rows == 1 else 4,
     )
     return tokens, logprobs

@@ -31,14 +31,14 @@ def _model() -> LlamaModel:
     return model.eval()
 
 
-def _generate(attention: str, sampler: str) -> dict[str, list[int]]:
+def _generate(attention: str, sampler: str, device: str = "cpu") -> dict[str, list[int]]:
     config = EngineConfig(
         kv_cache_bytes=4 << 20,
         max_num_batched_tokens=16,  # chunked prefill shares steps with decodes
         attention_backend=attention,
         sampler_backend=sampler,
     )
-    engine = LLMEngine(_model(), torch.device("cpu"), config)
+    engine = LLMEngine(_model().to(device), torch.device(device), config)
     assert engine.runner.attention.name == attention
     params = SamplingParams(max_tokens=6, temperature=0.0)
     outs: dict[str, list[int]] = {}
@@ -53,10 +53,21 @@ def _generate(attention: str, sampler: str) -> dict[str, list[int]]:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, Triton compiles for it alone")
 def test_greedy_is_identical_on_the_triton_and_reference_paths() -> None:
     reference = _generate("torch", "reference")
     assert _generate("triton", "triton") == reference
     assert _generate("torch", "torch") == reference
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (benchmarks/gpu_kernels.py)")
+def test_greedy_on_cuda_is_identical_on_the_triton_and_reference_paths() -> None:
+    """On CUDA the engine picks the compiled kernels by itself; they agree with the torch
+    paths there and with the CPU reference."""
+    reference = _generate("torch", "reference", "cuda")
+    assert _generate("triton", "triton", "cuda") == reference
+    assert _generate("torch", "torch", "cuda") == reference
+    assert reference == _generate("torch", "reference")
 
 
 def test_unknown_backends_are_rejected() -> None:

@@ -194,6 +194,7 @@ def test_wrappers_reject_bad_inputs_with_a_clear_error(
 
 
 def test_wrappers_reject_a_cache_not_dense_in_head_dim() -> None:
-    k = torch.randn(2, NB, BS, D * 2)[..., ::2]
+    # Strided where the kernel runs: moving a CPU view to a GPU would make it dense.
+    k = torch.randn(2, NB, BS, D * 2, device=DEVICE)[..., ::2]
     with pytest.raises(ValueError, match="contiguous in head_dim"):
         _decode(_Q, k, _V, _T, _L)
