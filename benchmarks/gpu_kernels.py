@@ -214,7 +214,7 @@ def bench(shapes: list[tuple[int, int]], mixes: list[Mix]) -> None:
 SWEEP_MIXES = [MIXES[0], MIXES[1], MIXES[3], MIXES[4]]
 
 
-def sweep(b: int = 256, v: int = 128256) -> tuple[int, int]:
+def sweep(b: int = 256, v: int = 128256) -> tuple[int, int, bool]:
     """The kernel's launch shape, tried directly: tile width ``BLOCK`` x ``num_warps``, one
     row per program, against a plain row-sum kernel of the same shape (the most one program
     per row can read), with the kernel's registers and spills. Returns the shape with the
@@ -244,7 +244,7 @@ def sweep(b: int = 256, v: int = 128256) -> tuple[int, int]:
     def row_sum_call(block: int, warps: int) -> Callable[[], object]:
         return lambda: row_sum[(b,)](logits, out, v, BLOCK=block, num_warps=warps)
 
-    def sample_call(block: int, warps: int, mix: Mix) -> Callable[[], object]:
+    def sample_call(block: int, warps: int, prefetch: bool, mix: Mix) -> Callable[[], object]:
         p = (
             torch.full((b,), mix.temperature, device="cuda"),
             torch.full((b,), mix.top_k, dtype=torch.int32, device="cuda"),
@@ -255,33 +255,38 @@ def sweep(b: int = 256, v: int = 128256) -> tuple[int, int]:
         )
         return lambda: _sample_kernel[(b,)](
             logits, logits.stride(0), *p, tokens, logprobs, b, v,
-            GREEDY_BELOW=_GREEDY_BELOW, BLOCK=block, ROWS=1, num_warps=warps,
+            GREEDY_BELOW=_GREEDY_BELOW, BLOCK=block, ROWS=1, PREFETCH=prefetch,
+            num_warps=warps,
         )  # fmt: skip
 
     print(f"\nsweep at B={b}, V={v} fp32: us per call (GB/s as one read of the logits)")
     names = ["regs/spills", "row-sum", *(m.name for m in SWEEP_MIXES)]
-    print(f"{'BLOCK':>6} {'warps':>5} " + " ".join(f"{n:>18}" for n in names))
-    best: tuple[float, int, int] = (math.inf, 0, 0)
-    for block in (1024, 2048, 4096, 8192):
-        for warps in (4, 8, 16):
+    print(f"{'BLOCK':>6} {'warps':>5} {'ahead':>5} " + " ".join(f"{n:>18}" for n in names))
+    best: tuple[float, int, int, bool] = (math.inf, 0, 0, False)
+    for block, warps in ((1024, 8), (1024, 16), (2048, 8), (2048, 16), (4096, 16), (8192, 16)):
+        for prefetch in (False, True):
             cells = []
             try:
-                compiled = sample_call(block, warps, SWEEP_MIXES[0])()
+                compiled = sample_call(block, warps, prefetch, SWEEP_MIXES[0])()
                 regs = getattr(compiled, "n_regs", "?"), getattr(compiled, "n_spills", "?")
                 cells.append(f"{regs[0]}/{regs[1]}")
                 logs = []
                 for call in (row_sum_call(block, warps), *(
-                    sample_call(block, warps, m) for m in SWEEP_MIXES
+                    sample_call(block, warps, prefetch, m) for m in SWEEP_MIXES
                 )):  # fmt: skip
                     ms = median_ms(call)
                     cells.append(f"{ms * 1e3:.1f} ({read_gb / ms * 1e3:.0f})")
                     logs.append(math.log(ms))
-                best = min(best, (sum(logs[1:]) / len(SWEEP_MIXES), block, warps))
+                best = min(best, (sum(logs[1:]) / len(SWEEP_MIXES), block, warps, prefetch))
             except Exception as e:  # a shape that does not compile: say so, go on
                 cells.append(f"{type(e).__name__}: {e}"[:60])
-            print(f"{block:>6} {warps:>5} " + " ".join(f"{c:>18}" for c in cells))
-    print(f"fastest over the mixes (geometric mean): BLOCK={best[1]}, num_warps={best[2]}")
-    return best[1], best[2]
+            row = f"{block:>6} {warps:>5} {prefetch!s:>5} "
+            print(row + " ".join(f"{c:>18}" for c in cells))
+    print(
+        f"fastest over the mixes (geometric mean): BLOCK={best[1]}, num_warps={best[2]}, "
+        f"PREFETCH={best[3]}"
+    )
+    return best[1], best[2], best[3]
 
 
 def main() -> None:
@@ -307,11 +312,13 @@ def main() -> None:
     # The numbers first: they are what the device time is for, and a test that hangs
     # cannot take them away.
     if args.sweep:
-        block, warps = sweep()
+        block, warps, prefetch = sweep()
         if args.adopt and block:
             triton_sampling.GPU_BLOCK, triton_sampling.GPU_WARPS = block, warps
-    print(f"\nthe wrapper launches BLOCK={triton_sampling.GPU_BLOCK}, "
-          f"num_warps={triton_sampling.GPU_WARPS}")  # fmt: skip
+            triton_sampling.GPU_PREFETCH = prefetch
+    ts = triton_sampling
+    launch = f"BLOCK={ts.GPU_BLOCK}, num_warps={ts.GPU_WARPS}, PREFETCH={ts.GPU_PREFETCH}"
+    print(f"\nthe wrapper launches {launch}")
     bench(SHAPES[:1] if args.quick else SHAPES, MIXES)
     if not args.skip_tests:
         import pytest

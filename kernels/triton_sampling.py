@@ -54,29 +54,54 @@ _MIN_BLOCK = 16  # four columns per Philox call
 # flight to stream its row near the copy bandwidth, few enough lanes per thread that the
 # per-lane running values stay in registers.
 _CPU_BLOCK = 1024
+_CPU_PREFETCH = False  # numpy gains nothing from loading ahead
 GPU_BLOCK = 4096
-GPU_WARPS = 8
+GPU_WARPS = 16
+GPU_PREFETCH = False
 # Elements of one [ROWS, BLOCK] tile in the interpreter, where wide tiles are cheap.
 _CPU_TILE = 2**17
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _uniforms(seed, counter, start, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Uniforms for the tile of columns ``start + [0, BLOCK)``: one Philox call (four 32-bit
-    words) per four columns, so column ``i`` takes word ``i % 4`` (in a fixed order) of call
-    ``counter + i // 4``. ``counter`` ``[ROWS, 1]`` starts each row's own stream."""
-    calls = counter + (start // 4 + tl.arange(0, BLOCK // 4))[None, :]
-    u0, u1, u2, u3 = tl.rand4x(seed, calls)
-    u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [ROWS, BLOCK])
-    # u = 0 (odds 2**-31) would score -inf; a tiny floor keeps the log finite instead.
-    return tl.maximum(u, 1e-30)
-
-
-@triton.jit
-def _gumbel_scores(shifted, u, inv_t):
-    """``shifted / T`` plus a Gumbel(0, 1) per token; ``shifted`` is ``x - max`` <= 0."""
-    return shifted * inv_t - tl.log(-tl.log(u))
+def _lane_draw(
+    base, row_ok, V, w_l, u_lane, u_in, ref, inv_t, thr, min_p,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """One token per row with probability ``w_i / sum(w)``, in two exact steps: a lane ``l``
+    of the tile (columns ``l, l + BLOCK, ...``) with probability ``w_l / sum(w_l)`` from the
+    lanes' totals ``w_l`` ``[ROWS, BLOCK]``, by the uniform ``u_lane``; then a column of that
+    lane with probability ``w_i / w_l``, by ``u_in``, reading only the lane's own ~V/BLOCK
+    logits. ``w_i = exp((x_i - ref) / T)`` for the tokens that survive ``thr`` and ``min_p``
+    (the scale of ``w_l``), 0 for the others."""
+    cols = tl.arange(0, BLOCK)[None, :]
+    total = tl.sum(w_l, axis=1)
+    below = tl.cumsum(w_l, axis=1) <= (u_lane * total)[:, None]
+    # The first lane whose running total passes the target; rounding can only overshoot to
+    # past the last lane that weighs anything, which then takes it.
+    last = tl.max(tl.where(w_l > 0.0, cols, -1), axis=1)
+    lane = tl.minimum(tl.sum(below.to(tl.int32), axis=1), last)
+    js = tl.arange(0, CHUNK)[None, :]
+    ref2, inv_t2, thr2, min_p2 = ref[:, None], inv_t[:, None], thr[:, None], min_p[:, None]
+    in_lane = tl.zeros([ROWS], tl.float32)
+    for j0 in range(0, tl.cdiv(V, BLOCK), CHUNK):
+        idx = lane[:, None] + (j0 + js) * BLOCK
+        x = load_tile(base, idx, row_ok, V)
+        keep, w = survives(x, ref2, inv_t2, thr2, min_p2)
+        in_lane += tl.sum(tl.where(keep, w, 0.0), axis=1)
+    target = (u_in * in_lane)[:, None]
+    seen = tl.zeros([ROWS], tl.float32)
+    count = tl.zeros([ROWS], tl.int32)
+    last_j = tl.full([ROWS], -1, tl.int32)
+    for j0 in range(0, tl.cdiv(V, BLOCK), CHUNK):
+        j = j0 + js
+        x = load_tile(base, lane[:, None] + j * BLOCK, row_ok, V)
+        keep, w = survives(x, ref2, inv_t2, thr2, min_p2)
+        w = tl.where(keep, w, 0.0)
+        count += tl.sum((seen[:, None] + tl.cumsum(w, axis=1) <= target).to(tl.int32), axis=1)
+        last_j = tl.maximum(last_j, tl.max(tl.where(w > 0.0, j, -1), axis=1))
+        seen += tl.sum(w, axis=1)
+    return lane + tl.minimum(count, last_j) * BLOCK
 
 
 @triton.jit
@@ -96,6 +121,8 @@ def _sample_kernel(
     GREEDY_BELOW: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
+    CHUNK: tl.constexpr = 32,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < B
@@ -106,8 +133,6 @@ def _sample_kernel(
     k = tl.load(top_k_ptr + rows, mask=row_ok, other=0)
     top_p = tl.load(top_p_ptr + rows, mask=row_ok, other=1.0)
     min_p = tl.load(min_p_ptr + rows, mask=row_ok, other=0.0)
-    seed = tl.load(seed_ptr + rows, mask=row_ok, other=0)[:, None]
-    counter = (tl.load(offset_ptr + rows, mask=row_ok, other=0) * ((V + 3) // 4))[:, None]
     greedy = (t < GREEDY_BELOW) | (k == 1)
     k_on = (k > 0) & (k < V) & ~greedy
     p_on = (top_p < 1.0) & ~greedy
@@ -118,58 +143,54 @@ def _sample_kernel(
     any_plain = any_row(plain)
 
     # Pass 1: raw max and normaliser (online), argmax, smallest finite logit, NaN and +inf,
-    # and for temperature-only rows the Gumbel-max draw itself. Every lane of the tile keeps
-    # its own running values and the row is reduced once after the loop: a reduction across
-    # the tile in every step would cost more than the step's loads.
-    neg = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
-    m_l = neg  # each lane's max
+    # and for temperature-only rows each lane's weight at T. Every lane of the tile keeps its
+    # own running values and the row is reduced once after the loop: a reduction across the
+    # tile in every step would cost more than the step's loads.
+    m_l = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)  # each lane's max
     s_l = tl.zeros([ROWS, BLOCK], tl.float32)  # sum of exp(x - m_l)
+    st_l = tl.zeros([ROWS, BLOCK], tl.float32)  # sum of exp((x - m_l) / T), plain rows
     best_l = tl.zeros([ROWS, BLOCK], tl.int32)  # where m_l is, first occurrence
     xmin_l = tl.full([ROWS, BLOCK], float("inf"), tl.float32)
     bad_l = tl.zeros([ROWS, BLOCK], tl.int32)
-    score_l = neg  # the best Gumbel score so far, relative to m_l
-    token_l = tl.full([ROWS, BLOCK], -1, tl.int32)
+    x = load_tile(base, cols, row_ok, V)
     for start in range(0, V, BLOCK):
         idx = start + cols
-        x = load_tile(base, idx, row_ok, V)
+        if PREFETCH:  # the next tile's loads in flight while this one is worked on
+            x_next = load_tile(base, idx + BLOCK, row_ok, V)
+        else:
+            x = load_tile(base, idx, row_ok, V)
         bad_l += ((x != x) | (x == float("inf"))).to(tl.int32)
         up = x > m_l
-        d = x - tl.where(m_l > float("-inf"), m_l, 0.0)  # no -inf - -inf
-        # One exp per token: exp(-|d|) rescales the sum when the max moves, else adds to it.
-        e = tl.where(x > float("-inf"), tl.exp(-tl.abs(d)), 0.0)
+        d = -tl.abs(x - tl.where(m_l > float("-inf"), m_l, 0.0))  # no -inf - -inf
+        # One exp per token: exp(-|x - m_l|) rescales the sum when the max moves, else adds.
+        some = x > float("-inf")
+        e = tl.where(some, tl.exp(d), 0.0)
         s_l = tl.where(up, s_l * e + 1.0, s_l + e)
-        best_l = tl.where(up, idx, best_l)
-        finite = (x > float("-inf")) & (x < float("inf"))
-        xmin_l = tl.minimum(xmin_l, tl.where(finite, x, float("inf")))
         if any_plain:
-            m_new = tl.maximum(m_l, x)
-            # Scores are relative to the lane's max: move the best so far to the new one.
-            score_l -= tl.where(up & (m_l > float("-inf")), d * inv_t2, 0.0)
-            u = _uniforms(seed, counter, start, ROWS, BLOCK)
-            sc = _gumbel_scores(x - tl.where(m_new > float("-inf"), m_new, 0.0), u, inv_t2)
-            sc = tl.where(plain[:, None], sc, float("-inf"))
-            won = sc > score_l
-            score_l = tl.where(won, sc, score_l)
-            token_l = tl.where(won, idx, token_l)
+            e = tl.where(some, tl.exp(d * inv_t2), 0.0)
+            st_l = tl.where(up, st_l * e + 1.0, st_l + e)
+        best_l = tl.where(up, idx, best_l)
+        xmin_l = tl.minimum(xmin_l, tl.where(some & (x < float("inf")), x, float("inf")))
         m_l = tl.where(up, x, m_l)
+        if PREFETCH:
+            x = x_next
     m = tl.max(m_l, axis=1)
     m_safe = tl.where(m > float("-inf"), m, 0.0)
-    s = tl.sum(tl.where(m_l > float("-inf"), s_l * tl.exp(m_l - m_safe[:, None]), 0.0), axis=1)
+    lane_up = m_l > float("-inf")
+    s = tl.sum(tl.where(lane_up, s_l * tl.exp(m_l - m_safe[:, None]), 0.0), axis=1)
     best = tl.min(tl.where(m_l == m[:, None], best_l, 2147483647), axis=1)
     xmin = tl.min(xmin_l, axis=1)
     bad = tl.sum(bad_l, axis=1)
-    score = tl.full([ROWS], float("-inf"), tl.float32)
-    token = tl.full([ROWS], -1, tl.int32)
-    if any_plain:
-        gs = tl.where(m_l > float("-inf"), score_l + (m_l - m_safe[:, None]) * inv_t2, neg)
-        score = tl.max(gs, axis=1)
-        token = tl.max(tl.where(gs == score[:, None], token_l, -1), axis=1)
-    token = tl.where(greedy, best, token)
     # NaN or +inf anywhere, or no finite logit: no distribution to sample (token -1).
     valid = (bad == 0) & (m > float("-inf")) & (m < float("inf"))
+    token = best
+    # Each lane's weight at T on the row's scale, for the draw.
+    w_l = tl.where(lane_up & plain[:, None], st_l * tl.exp((m_l - m_safe[:, None]) * inv_t2), 0.0)
+    thr = tl.full([ROWS], float("-inf"), tl.float32)
+    keep_p = tl.zeros([ROWS], tl.float32)
     todo = filtered & valid
     if any_row(todo):
-        mt = tl.where(valid, m, 0.0)
+        mt = tl.where(valid, m, 0.0)  # a row with +inf must not look searchable
         vk = xmin
         k_todo = k_on & todo
         if any_row(k_todo):
@@ -197,22 +218,25 @@ def _sample_kernel(
                 base, row_ok, V, lo, mt, top_p * mass, mt, inv_t, vk, min_p, True, BLOCK, ROWS
             )
             thr = tl.where(p_todo, found, vk)
-        # The draw: scores relative to the row's max, so lanes compare as they are.
-        fs_l = neg
-        ft_l = tl.full([ROWS, BLOCK], -1, tl.int32)
+        thr = tl.where(todo, thr, float("-inf"))
+        keep_p = tl.where(todo, min_p, 0.0)
+        # Each lane's weight of the kept tokens, for the draw.
+        kw_l = tl.zeros([ROWS, BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
-            idx = start + cols
-            x = load_tile(base, idx, row_ok, V)
-            keep, _ = survives(x, mt[:, None], inv_t2, thr[:, None], min_p[:, None])
-            u = _uniforms(seed, counter, start, ROWS, BLOCK)
-            sc = _gumbel_scores(x - mt[:, None], u, inv_t2)
-            sc = tl.where(keep & todo[:, None], sc, float("-inf"))
-            won = sc > fs_l
-            fs_l = tl.where(won, sc, fs_l)
-            ft_l = tl.where(won, idx, ft_l)
-        fs = tl.max(fs_l, axis=1)
-        ft = tl.max(tl.where(fs_l == fs[:, None], ft_l, -1), axis=1)
-        token = tl.where(todo, ft, token)
+            x = load_tile(base, start + cols, row_ok, V)
+            keep, w = survives(x, mt[:, None], inv_t2, thr[:, None], keep_p[:, None])
+            kw_l += tl.where(keep, w, 0.0)
+        w_l = tl.where(todo[:, None], kw_l, w_l)
+    draw = (plain & valid) | todo
+    if any_row(draw):
+        # Two uniforms per row, from one Philox call at (seed, offset).
+        seed = tl.load(seed_ptr + rows, mask=row_ok, other=0)
+        offset = tl.load(offset_ptr + rows, mask=row_ok, other=0)
+        u_lane, u_in, _, _ = tl.rand4x(seed, offset)
+        picked = _lane_draw(
+            base, row_ok, V, w_l, u_lane, u_in, m_safe, inv_t, thr, keep_p, BLOCK, ROWS, CHUNK
+        )
+        token = tl.where(draw, picked, token)
 
     token = tl.where(valid, token, -1)
     tl.store(token_ptr + rows, token.to(tl.int64), mask=row_ok)
@@ -328,6 +352,7 @@ def triton_sample(
         GREEDY_BELOW=_GREEDY_BELOW,
         BLOCK=block,
         ROWS=rows,
+        PREFETCH=GPU_PREFETCH if on_gpu else _CPU_PREFETCH,
         num_warps=max(1, min(GPU_WARPS, block // 256)) if rows == 1 else 4,
     )
     return tokens, logprobs

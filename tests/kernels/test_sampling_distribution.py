@@ -156,3 +156,18 @@ def test_triton_kernel_draws_the_exact_distribution(name: str) -> None:
     from hotpool.kernels.triton_sampling import kernel_device
 
     check_case(name, "triton", kernel_device())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["T=1.7", "top_p=0.6,T=0.7", "all filters", "masked,top_p=0.9"])
+def test_triton_kernel_draws_the_exact_distribution_from_narrow_tiles(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With 16 lanes a draw first picks a lane holding up to 13 tokens, then a token in it:
+    both steps are exercised, where the default width gives every token a lane of its own."""
+    pytest.importorskip("triton")
+    from hotpool.kernels import triton_sampling
+
+    monkeypatch.setattr(triton_sampling, "_CPU_BLOCK", 16)
+    monkeypatch.setattr(triton_sampling, "GPU_BLOCK", 16)
+    check_case(name, "triton", triton_sampling.kernel_device())
