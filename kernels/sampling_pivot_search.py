@@ -45,6 +45,23 @@ def survives(x, m, inv_t, vk, min_p):
 
 
 @triton.jit
+def tile_bound(vals, w, c):
+    """Per row of the tile ``vals``, the largest value ``L`` in it whose entries ``>= L``
+    weigh at least ``c`` (``w`` per entry, >= 0); -inf where even all of them weigh less.
+    ``L`` is found by bisection over float32 bit patterns, in registers (32 steps)."""
+    ok = tl.sum(w, axis=1) >= c
+    finite = tl.where(vals > float("-inf"), vals, float("inf"))
+    lo = float_key(tl.min(finite, axis=1))  # where f(v) = weight of entries >= v is >= c
+    hi = float_key(tl.max(vals, axis=1))
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        f = tl.sum(tl.where(vals >= float_unkey(mid)[:, None], w, 0.0), axis=1)
+        lo = tl.where(f >= c, mid, lo)
+        hi = tl.where(f >= c, hi, mid - 1)
+    return tl.where(ok & (lo <= hi), float_unkey(lo), float("-inf"))
+
+
+@triton.jit
 def threshold(
     base,
     row_ok,

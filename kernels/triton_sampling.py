@@ -43,7 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
-from hotpool.kernels.sampling_pivot_search import any_row, load_tile, survives, threshold
+from hotpool.kernels.sampling_pivot_search import (
+    any_row,
+    load_tile,
+    survives,
+    threshold,
+    tile_bound,
+)
 
 # As in hotpool.kernels.sampling: below this the row is greedy.
 _GREEDY_BELOW = 1e-5
@@ -55,9 +61,9 @@ _MIN_BLOCK = 16  # four columns per Philox call
 # per-lane running values stay in registers.
 _CPU_BLOCK = 1024
 _CPU_PREFETCH = False  # numpy gains nothing from loading ahead
-GPU_BLOCK = 4096
+GPU_BLOCK = 2048
 GPU_WARPS = 16
-GPU_PREFETCH = False
+GPU_PREFETCH = True
 # Elements of one [ROWS, BLOCK] tile in the interpreter, where wide tiles are cheap.
 _CPU_TILE = 2**17
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -141,17 +147,18 @@ def _sample_kernel(
     inv_t = 1.0 / tl.maximum(t, GREEDY_BELOW)
     inv_t2 = inv_t[:, None]
     any_plain = any_row(plain)
+    any_filtered = any_row(filtered)
 
-    # Pass 1: raw max and normaliser (online), argmax, smallest finite logit, NaN and +inf,
+    # Pass 1: raw max and normaliser (online), argmax, smallest finite logit (filtered rows),
     # and for temperature-only rows each lane's weight at T. Every lane of the tile keeps its
     # own running values and the row is reduced once after the loop: a reduction across the
-    # tile in every step would cost more than the step's loads.
+    # tile in every step would cost more than the step's loads. A NaN makes the normaliser
+    # NaN and +inf the max +inf, which is how such rows are found.
     m_l = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)  # each lane's max
     s_l = tl.zeros([ROWS, BLOCK], tl.float32)  # sum of exp(x - m_l)
     st_l = tl.zeros([ROWS, BLOCK], tl.float32)  # sum of exp((x - m_l) / T), plain rows
     best_l = tl.zeros([ROWS, BLOCK], tl.int32)  # where m_l is, first occurrence
     xmin_l = tl.full([ROWS, BLOCK], float("inf"), tl.float32)
-    bad_l = tl.zeros([ROWS, BLOCK], tl.int32)
     x = load_tile(base, cols, row_ok, V)
     for start in range(0, V, BLOCK):
         idx = start + cols
@@ -159,42 +166,48 @@ def _sample_kernel(
             x_next = load_tile(base, idx + BLOCK, row_ok, V)
         else:
             x = load_tile(base, idx, row_ok, V)
-        bad_l += ((x != x) | (x == float("inf"))).to(tl.int32)
         up = x > m_l
         d = -tl.abs(x - tl.where(m_l > float("-inf"), m_l, 0.0))  # no -inf - -inf
         # One exp per token: exp(-|x - m_l|) rescales the sum when the max moves, else adds.
-        some = x > float("-inf")
+        some = x != float("-inf")  # NaN included: exp(NaN) poisons the sum
         e = tl.where(some, tl.exp(d), 0.0)
         s_l = tl.where(up, s_l * e + 1.0, s_l + e)
         if any_plain:
             e = tl.where(some, tl.exp(d * inv_t2), 0.0)
             st_l = tl.where(up, st_l * e + 1.0, st_l + e)
         best_l = tl.where(up, idx, best_l)
-        xmin_l = tl.minimum(xmin_l, tl.where(some & (x < float("inf")), x, float("inf")))
+        if any_filtered:
+            xmin_l = tl.minimum(xmin_l, tl.where(some & (x < float("inf")), x, float("inf")))
         m_l = tl.where(up, x, m_l)
         if PREFETCH:
             x = x_next
     m = tl.max(m_l, axis=1)
-    m_safe = tl.where(m > float("-inf"), m, 0.0)
-    lane_up = m_l > float("-inf")
-    s = tl.sum(tl.where(lane_up, s_l * tl.exp(m_l - m_safe[:, None]), 0.0), axis=1)
+    finite_m = (m > float("-inf")) & (m < float("inf"))
+    m_safe = tl.where(finite_m, m, 0.0)
+    # Lanes that saw no finite logit add 0, or NaN if they saw one.
+    s = tl.sum(s_l * tl.exp(m_l - m_safe[:, None]), axis=1)
     best = tl.min(tl.where(m_l == m[:, None], best_l, 2147483647), axis=1)
     xmin = tl.min(xmin_l, axis=1)
-    bad = tl.sum(bad_l, axis=1)
     # NaN or +inf anywhere, or no finite logit: no distribution to sample (token -1).
-    valid = (bad == 0) & (m > float("-inf")) & (m < float("inf"))
+    valid = finite_m & (s == s)
     token = best
     # Each lane's weight at T on the row's scale, for the draw.
-    w_l = tl.where(lane_up & plain[:, None], st_l * tl.exp((m_l - m_safe[:, None]) * inv_t2), 0.0)
+    w_l = tl.where(plain[:, None], st_l * tl.exp((m_l - m_safe[:, None]) * inv_t2), 0.0)
     thr = tl.full([ROWS], float("-inf"), tl.float32)
     keep_p = tl.zeros([ROWS], tl.float32)
     todo = filtered & valid
     if any_row(todo):
         mt = tl.where(valid, m, 0.0)  # a row with +inf must not look searchable
+        # The lanes' maxima are real logits, each of another token: they bound both
+        # thresholds from below, so the searches start close to them.
+        tops = tl.where(valid[:, None], m_l, float("-inf"))
         vk = xmin
         k_todo = k_on & todo
         if any_row(k_todo):
-            lo = tl.where(k_todo, xmin, float("inf"))
+            # k lanes hold a logit >= the k-th largest lane maximum, so the k-th largest
+            # logit is no smaller (k > BLOCK: no bound).
+            kth = tile_bound(tops, (tops > float("-inf")).to(tl.float32), k.to(tl.float32))
+            lo = tl.where(k_todo, tl.maximum(xmin, kth), float("inf"))
             kf = k.to(tl.float32)
             zero = tl.zeros([ROWS], tl.float32)
             found = threshold(
@@ -213,7 +226,11 @@ def _sample_kernel(
                 mass_l += tl.where(keep, w, 0.0)
                 lo_l = tl.minimum(lo_l, tl.where(keep, x, float("inf")))
             mass = tl.sum(mass_l, axis=1)
-            lo = tl.where(p_todo, tl.min(lo_l, axis=1), float("inf"))
+            # Tokens below a surviving lane maximum at which the lane maxima alone already
+            # weigh top_p of the mass (with a margin for rounding) all fall outside.
+            keep, w = survives(tops, mt[:, None], inv_t2, vk[:, None], min_p[:, None])
+            bound = tile_bound(tops, tl.where(keep, w, 0.0), top_p * mass * 1.001)
+            lo = tl.where(p_todo, tl.maximum(tl.min(lo_l, axis=1), bound), float("inf"))
             found = threshold(
                 base, row_ok, V, lo, mt, top_p * mass, mt, inv_t, vk, min_p, True, BLOCK, ROWS
             )
