@@ -38,9 +38,9 @@ otherwise):
 
 Randomness. The torch and reference paths draw uniforms from the row's ``generator`` when
 it has one; else, when it has a ``seed``, from a CPU generator seeded with ``(seed,
-offset)``; else from torch's default generator. The Triton kernel draws counter-based
-Philox numbers from ``(seed, offset)`` and the token's index: the row's own seed; else one
-drawn from its ``generator``; else one drawn from torch's default generator. Either way a
+offset)``; else from torch's default generator. The Triton kernel draws two counter-based
+Philox numbers from ``(seed, offset)`` per row: the row's own seed; else one drawn from its
+``generator``; else one drawn from torch's default generator. Either way a
 seeded row's tokens never depend on the rest of the batch, and on one path the same
 ``(seed, offset)`` gives the same token; the paths do not reproduce each other's tokens.
 ``offset`` is the number of tokens the request has generated so far, so each step of a
