@@ -1,7 +1,9 @@
 """hotpool's CPU sampler against HF transformers' logits processors, on the same logits.
 
 For each vocabulary, batch size and mix of sampling settings, times one call of hotpool's
-``sample`` (which also returns every sampled token's raw logprob) and HF's chain
+``sample`` for rows that do not ask for logprobs (as the engine builds them for a request
+without ``logprobs``; HF computes none either), the same call with every row's raw logprob
+(``+logprob ms``), and HF's chain
 (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``,
 ``MinPLogitsWarper`` as the setting needs, then ``softmax`` and ``torch.multinomial``; greedy
 is ``argmax``) and prints milliseconds per call, the logits hotpool gets through per second
@@ -82,8 +84,9 @@ def lm_like_logits(batch: int, vocab: int, g: torch.Generator) -> torch.Tensor:
     return torch.empty(batch, vocab).scatter_(1, order, profile) + 10.0
 
 
-def row_for(s: Setting, history: tuple[int, ...]) -> SamplingRow:
+def row_for(s: Setting, history: tuple[int, ...], logprob: bool) -> SamplingRow:
     return SamplingRow(
+        logprob=logprob,
         temperature=s.temperature,
         top_k=s.top_k,
         top_p=s.top_p,
@@ -94,10 +97,11 @@ def row_for(s: Setting, history: tuple[int, ...]) -> SamplingRow:
 
 
 def hotpool_call(
-    logits: torch.Tensor, settings: list[Setting], outputs: torch.Tensor
+    logits: torch.Tensor, settings: list[Setting], outputs: torch.Tensor, logprob: bool
 ) -> Callable[[], object]:
     history = [tuple(row) for row in outputs.tolist()]
-    rows = [row_for(settings[i % len(settings)], history[i]) for i in range(logits.shape[0])]
+    n = len(settings)
+    rows = [row_for(settings[i % n], history[i], logprob) for i in range(logits.shape[0])]
     return lambda: sample(logits, rows)
 
 
@@ -163,7 +167,7 @@ def main() -> None:
         f"median of up to {args.iters} calls"
     )
     header = f"{'setting':<40} {'vocab':>6} {'batch':>5} {'hotpool ms':>10} {'GB/s':>6}"
-    print(f"{header} {'HF ms':>9} {'HF/hotpool':>10}")
+    print(f"{header} {'+logprob ms':>11} {'HF ms':>9} {'HF/hotpool':>10}")
     mixes = [(s.name, [s]) for s in SETTINGS] + [("mixed: greedy/top_k/top_p/min_p", MIXED)]
     for vocab in args.vocab:
         for name, settings in mixes:
@@ -174,12 +178,17 @@ def main() -> None:
                     logits = torch.randn(batch, vocab, generator=g)
                 outputs = torch.randint(0, vocab, (batch, NUM_OUTPUT_TOKENS), generator=g)
                 used = settings[:batch]  # a batch of one holds only the first kind
-                ours = per_call_ms(hotpool_call(logits, used, outputs), args.iters, args.budget)
+                ours = per_call_ms(
+                    hotpool_call(logits, used, outputs, False), args.iters, args.budget
+                )
+                with_lp = per_call_ms(
+                    hotpool_call(logits, used, outputs, True), args.iters, args.budget
+                )
                 theirs = per_call_ms(hf_call(logits, used, outputs), args.iters, args.budget)
                 gbps = logits.numel() * logits.element_size() / (ours * 1e-3) / 1e9
                 print(
                     f"{name:<40} {vocab:>6} {batch:>5} {ours:>10.3f} {gbps:>6.2f} "
-                    f"{theirs:>9.3f} {theirs / ours:>9.1f}x"
+                    f"{with_lp:>11.3f} {theirs:>9.3f} {theirs / ours:>9.1f}x"
                 )
 
 

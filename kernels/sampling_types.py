@@ -33,6 +33,10 @@ class SamplingRow:
     repetition_penalty: float = 1.0
     generator: torch.Generator | None = None  # a CPU generator for seeded requests
     num_logprobs: int = 0  # top-N logprobs wanted at the sampled position
+    # The sampled token's own logprob. Where no row of a batch wants either, the torch path
+    # skips the log-softmax over the vocabulary (the costliest part of a greedy step on a
+    # CPU) and these rows' logprobs come back NaN.
+    logprob: bool = True
     prompt_token_ids: Sequence[int] = ()  # for repetition_penalty
     output_token_ids: Sequence[int] = ()  # for every penalty
     seed: int | None = None  # the request's seed: the draw is a function of (seed, offset)

@@ -214,3 +214,37 @@ def test_the_triton_path_reports_raw_logprobs_under_penalties() -> None:
     expected = torch.topk(raw, 4, dim=1)
     assert torch.equal(ids, expected.indices)
     torch.testing.assert_close(values, expected.values)
+
+
+# --- rows that read no logprob ------------------------------------------------------------
+
+
+def test_a_batch_that_reads_no_logprob_gets_the_same_tokens_and_nan_logprobs() -> None:
+    torch.manual_seed(8)
+    x = torch.randn(6, 300) * 2
+    kinds = [SamplingRow(temperature=0.0), SamplingRow(seed=5, top_p=0.9), SamplingRow(top_k=7)]
+    rows = [replace(kinds[i % 3], seed=40 + i) for i in range(6)]
+    full = sample(x, rows, backend="torch")
+    lean = sample(x, [replace(r, logprob=False) for r in rows], backend="torch")
+    assert lean.token_ids.tolist() == full.token_ids.tolist()
+    assert lean.logprobs.isnan().all() and lean.top_logprobs is None
+    assert not full.logprobs.isnan().any()
+    # One row asking is enough for every row to get its logprob.
+    mixed = sample(x, [replace(r, logprob=i == 3) for i, r in enumerate(rows)], backend="torch")
+    torch.testing.assert_close(mixed.logprobs, full.logprobs)
+    # So is a row asking for top-N only.
+    top = [replace(r, logprob=False, num_logprobs=2 if i == 0 else 0) for i, r in enumerate(rows)]
+    assert not sample(x, top, backend="torch").logprobs.isnan().any()
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "all -inf"])
+def test_a_batch_that_reads_no_logprob_still_finds_rows_with_nothing_to_sample(bad: str) -> None:
+    x = torch.randn(4, 50)
+    if bad == "all -inf":
+        x[2] = float("-inf")
+    else:
+        x[2, 9] = float(bad)
+    rows = [SamplingRow(temperature=0.0, logprob=False), SamplingRow(top_p=0.8, logprob=False)]
+    with pytest.raises(NonFiniteLogitsError) as info:
+        sample(x, rows * 2, backend="torch")
+    assert info.value.rows == (2,)

@@ -157,6 +157,7 @@ class ModelRunner:
             seed=p.seed,
             offset=len(req.output_token_ids),
             num_logprobs=p.logprobs or 0,
+            logprob=p.logprobs is not None,
             prompt_token_ids=req.prompt_token_ids if penalized else (),
             output_token_ids=req.output_token_ids if penalized else (),
         )
