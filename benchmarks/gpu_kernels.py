@@ -155,6 +155,18 @@ def copy_gbps(logits: torch.Tensor) -> float:
     )
 
 
+def kernel_params(b: int, mix: Mix) -> tuple[torch.Tensor, ...]:
+    """``triton_sample``'s per-row parameters for ``b`` rows of ``mix`` (seed 7, offset i)."""
+    return (
+        torch.full((b,), mix.temperature, device="cuda"),
+        torch.full((b,), mix.top_k, dtype=torch.int32, device="cuda"),
+        torch.full((b,), mix.top_p, device="cuda"),
+        torch.full((b,), mix.min_p, device="cuda"),
+        torch.full((b,), 7, dtype=torch.int64, device="cuda"),
+        torch.arange(b, device="cuda"),
+    )
+
+
 def measure(logits: torch.Tensor, mix: Mix, copy: float, notes: set[str]) -> str:
     """One line of the table: ``mix`` on every row of ``logits``."""
     from hotpool.kernels.sampling import SamplingRow, sample
@@ -172,14 +184,7 @@ def measure(logits: torch.Tensor, mix: Mix, copy: float, notes: set[str]) -> str
         )
         for i in range(b)
     ]
-    params = (
-        torch.full((b,), mix.temperature, device="cuda"),
-        torch.full((b,), mix.top_k, dtype=torch.int32, device="cuda"),
-        torch.full((b,), mix.top_p, device="cuda"),
-        torch.full((b,), mix.min_p, device="cuda"),
-        torch.full((b,), 7, dtype=torch.int64, device="cuda"),
-        torch.arange(b, device="cuda"),
-    )
+    params = kernel_params(b, mix)
     kernel_ms = median_ms(lambda: triton_sample(logits, *params))
     sample_ms = median_ms(lambda: sample(logits, rows, backend="triton"))
     torch_ms = median_ms(lambda: sample(logits, rows, backend="torch"))
@@ -245,14 +250,7 @@ def sweep(b: int = 256, v: int = 128256) -> tuple[int, int, bool]:
         return lambda: row_sum[(b,)](logits, out, v, BLOCK=block, num_warps=warps)
 
     def sample_call(block: int, warps: int, prefetch: bool, mix: Mix) -> Callable[[], object]:
-        p = (
-            torch.full((b,), mix.temperature, device="cuda"),
-            torch.full((b,), mix.top_k, dtype=torch.int32, device="cuda"),
-            torch.full((b,), mix.top_p, device="cuda"),
-            torch.full((b,), mix.min_p, device="cuda"),
-            torch.full((b,), 7, dtype=torch.int64, device="cuda"),
-            torch.arange(b, device="cuda"),
-        )
+        p = kernel_params(b, mix)
         return lambda: _sample_kernel[(b,)](
             logits, logits.stride(0), *p, tokens, logprobs, b, v,
             GREEDY_BELOW=_GREEDY_BELOW, BLOCK=block, ROWS=1, PREFETCH=prefetch,
