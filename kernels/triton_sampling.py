@@ -95,9 +95,10 @@ def _lane_draw(
     total = tl.sum(w_l, axis=1)
     below = tl.cumsum(w_l, axis=1) <= (u_lane * total)[:, None]
     # The first lane whose running total passes the target; rounding can only overshoot to
-    # past the last lane that weighs anything, which then takes it.
+    # past the last lane that weighs anything, which then takes it. A row that draws nothing
+    # (all weights 0, its token discarded) reads lane 0, never before its first column.
     last = tl.max(tl.where(w_l > 0.0, cols, -1), axis=1)
-    lane = tl.minimum(tl.sum(below.to(tl.int32), axis=1), last)
+    lane = tl.maximum(tl.minimum(tl.sum(below.to(tl.int32), axis=1), last), 0)
     js = tl.arange(0, CHUNK)[None, :]
     ref2, inv_t2, thr2, min_p2 = ref[:, None], inv_t[:, None], thr[:, None], min_p[:, None]
     in_lane = tl.zeros([ROWS], tl.float32)
