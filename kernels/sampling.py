@@ -131,25 +131,22 @@ def _sample_torch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerO
     # below for free and never returned.
     tokens = torch_sample_tokens(x, rows, row_generators(rows))
     n = _num_logprobs(rows, raw.shape[1])
-    if not n and not any(r.logprob for r in rows):
-        # Nobody reads a logprob: the row maximum (NaN, +inf or -inf exactly in the rows
-        # with nothing to sample) finds the bad rows in one cheap pass.
+    if n or any(r.logprob for r in rows):
+        # log_softmax is NaN throughout a row with NaN or +inf, or with no finite logit, and
+        # never NaN in any other row. Computed after sampling, it reuses the sampler's
+        # buffers.
+        raw_logprobs: torch.Tensor | None = torch.log_softmax(raw, dim=1)
+        bad = raw_logprobs[:, 0].isnan()
+    else:  # nobody reads a logprob: the row maximum finds those rows in one cheap pass
+        raw_logprobs = None
         bad = ~torch.isfinite(raw.amax(dim=1))
-        if raw.device.type == "cpu":
-            if bool(bad.any()):
-                raise NonFiniteLogitsError(bad.nonzero().squeeze(1).tolist())
-        else:
-            tokens = torch.where(bad, -1, tokens)
-        return to_host(tokens, torch.full_like(tokens, math.nan, dtype=torch.float32), None)
-    # log_softmax is NaN throughout a row with NaN or +inf, or with no finite logit, and
-    # never NaN in any other row. Computed after sampling, it reuses the sampler's buffers.
-    raw_logprobs = torch.log_softmax(raw, dim=1)
-    bad = raw_logprobs[:, 0].isnan()
     if raw.device.type == "cpu":
         if bool(bad.any()):
             raise NonFiniteLogitsError(bad.nonzero().squeeze(1).tolist())
     else:  # reading it now would wait for the device: it travels with the results
         tokens = torch.where(bad, -1, tokens)
+    if raw_logprobs is None:
+        return to_host(tokens, torch.full_like(tokens, math.nan, dtype=torch.float32), None)
     return to_host(
         tokens,
         raw_logprobs.gather(1, tokens.clamp(min=0)[:, None]).squeeze(1),

@@ -209,7 +209,7 @@ def _sample_kernel(
     keep_p = tl.zeros([ROWS], tl.float32)
     todo = filtered & valid
     if any_row(todo):
-        mt = tl.where(valid, m, 0.0)  # a row with +inf must not look searchable
+        mt = m_safe
         # The lanes' maxima are real logits, each of another token: they bound both
         # thresholds from below, so the searches start close to them.
         tops = tl.where(valid[:, None], m_l, float("-inf"))
@@ -218,9 +218,9 @@ def _sample_kernel(
         if any_row(k_todo):
             # k lanes hold a logit >= the k-th largest lane maximum, so the k-th largest
             # logit is no smaller (k > BLOCK: no bound).
-            kth = tile_bound(tops, (tops > float("-inf")).to(tl.float32), k.to(tl.float32))
-            lo = tl.where(k_todo, tl.maximum(xmin, kth), float("inf"))
             kf = k.to(tl.float32)
+            kth = tile_bound(tops, (tops > float("-inf")).to(tl.float32), kf)
+            lo = tl.where(k_todo, tl.maximum(xmin, kth), float("inf"))
             zero = tl.zeros([ROWS], tl.float32)
             found = threshold(
                 base, row_ok, V, lo, mt, kf, mt, inv_t, xmin, zero, False, BLOCK, ROWS
