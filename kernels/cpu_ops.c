@@ -157,79 +157,254 @@ void hp_write_kv(const bf16 *k, int64_t k_stride, const bf16 *v, int64_t v_strid
  * Query head h reads KV head h / (q_heads / kv_heads). One task per (sequence, KV head):
  * the group's query heads share every key and value read.
  */
+typedef struct {
+    const bf16 *q;
+    int64_t q_stride;
+    const bf16 *k_cache, *v_cache;
+    int64_t num_blocks, block_size;
+    const int64_t *tables;
+    int64_t table_width;
+    const int64_t *seq_lens;
+    bf16 *out;
+    int64_t q_heads, kv_heads, dim;
+    float scale;
+} decode_args;
+
+/* The portable task: two passes (scores, then a weighted sum of values) in float32. */
+static void decode_task_scalar(const decode_args *a, int64_t b, int64_t h) {
+    int64_t group = a->q_heads / a->kv_heads, dim = a->dim, block_size = a->block_size;
+    int64_t len = a->seq_lens[b];
+    float *qf = malloc(sizeof(float) * (size_t)(group * dim * 2 + dim + group * len));
+    float *acc = qf + group * dim;
+    float *kf = acc + group * dim;
+    float *scores = kf + dim;
+    for (int64_t g = 0; g < group; ++g) {
+        const bf16 *qh = a->q + b * a->q_stride + (h * group + g) * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) {
+            qf[g * dim + d] = bf2f(qh[d]) * a->scale;
+            acc[g * dim + d] = 0.0f;
+        }
+    }
+    const int64_t *table = a->tables + b * a->table_width;
+    const bf16 *kh = a->k_cache + h * a->num_blocks * block_size * dim;
+    const bf16 *vh = a->v_cache + h * a->num_blocks * block_size * dim;
+    for (int64_t s0 = 0; s0 < len; s0 += block_size) {
+        const bf16 *kb = kh + table[s0 / block_size] * block_size * dim;
+        int64_t n = len - s0 < block_size ? len - s0 : block_size;
+        for (int64_t i = 0; i < n; ++i) {
+            const bf16 *kr = kb + i * dim;
+            /* Widen the key once for the whole group; the dot products then vectorise. */
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) kf[d] = bf2f(kr[d]);
+            for (int64_t g = 0; g < group; ++g) {
+                const float *qg = qf + g * dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kf[d];
+                scores[g * len + s0 + i] = dot;
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        float *sg = scores + g * len;
+        float m = -INFINITY;
+        for (int64_t s = 0; s < len; ++s) m = sg[s] > m ? sg[s] : m;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t s = 0; s < len; ++s) {
+            sg[s] = exp_f32(sg[s] - m);
+            total += sg[s];
+        }
+        float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t s = 0; s < len; ++s) sg[s] *= inv;
+    }
+    for (int64_t s0 = 0; s0 < len; s0 += block_size) {
+        const bf16 *vb = vh + table[s0 / block_size] * block_size * dim;
+        int64_t n = len - s0 < block_size ? len - s0 : block_size;
+        for (int64_t i = 0; i < n; ++i) {
+            const bf16 *vr = vb + i * dim;
+            for (int64_t g = 0; g < group; ++g) {
+                float p = scores[g * len + s0 + i];
+                float *ag = acc + g * dim;
+#pragma omp simd
+                for (int64_t d = 0; d < dim; ++d) ag[d] += p * bf2f(vr[d]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        bf16 *o = a->out + (b * a->q_heads + h * group + g) * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) o[d] = f2bf(acc[g * dim + d]);
+    }
+    free(qf);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HP_DECODE_SIMD 1
+#define SIMD_MAX_GROUP 16
+#define SIMD_MAX_DIM 256
+
+/*
+ * The AVX-512 BF16 task, for block sizes that are a multiple of 16 and head dims that are
+ * a multiple of 32 (every Llama-family model). Keys go 16 at a time: vdpbf16ps multiplies
+ * bfloat16 pairs exactly and sums in float32, leaving 16 partial sums per key; a tree of
+ * blends and shuffles (15 steps for 16 keys, not 16 horizontal sums) turns the 16 vectors
+ * into one vector of 16 scores. Softmax is online (running max and sum per query head), so
+ * each block's keys and values are read once, together, and no score buffer is needed.
+ * The scalar task computes the same function in another summation order.
+ */
+
+/* One step of the tree: lanes whose bit `w` is clear get a's pair sum, the others b's. */
+#define HP_COMBINE(name, mask, swap)                                              \
+    static inline __m512 name(__m512 a, __m512 b) {                               \
+        __m512 x = _mm512_mask_blend_ps((__mmask16)(mask), a, b);                 \
+        __m512 y = _mm512_mask_blend_ps((__mmask16)(mask), b, a);                 \
+        return _mm512_add_ps(x, swap);                                            \
+    }
+HP_COMBINE(combine8, 0xFF00, _mm512_shuffle_f32x4(y, y, 0x4E))
+HP_COMBINE(combine4, 0xF0F0, _mm512_shuffle_f32x4(y, y, 0xB1))
+HP_COMBINE(combine2, 0xCCCC, _mm512_permute_ps(y, 0x4E))
+HP_COMBINE(combine1, 0xAAAA, _mm512_permute_ps(y, 0xB1))
+
+/* Lane i of the result is the sum of the lanes of p[i]. */
+static inline __m512 lane_sums16(const __m512 *p) {
+    __m512 r[8], t[4];
+    for (int j = 0; j < 8; ++j) r[j] = combine8(p[j], p[j + 8]);
+    for (int j = 0; j < 4; ++j) t[j] = combine4(r[j], r[j + 4]);
+    return combine1(combine2(t[0], t[2]), combine2(t[1], t[3]));
+}
+
+/* exp_f32 on 16 lanes, the same polynomial. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+static inline __m512 widen16(const bf16 *x) {
+    __m256i raw = _mm256_loadu_si256((const __m256i *)x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+static void decode_task_simd(const decode_args *a, int64_t b, int64_t h) {
+    const int64_t group = a->q_heads / a->kv_heads, dim = a->dim, bs = a->block_size;
+    const int64_t chunks = dim / 32, len = a->seq_lens[b];
+    __m512bh qv[SIMD_MAX_GROUP * SIMD_MAX_DIM / 32];
+    float acc[SIMD_MAX_GROUP * SIMD_MAX_DIM] __attribute__((aligned(64)));
+    float run_max[SIMD_MAX_GROUP], run_sum[SIMD_MAX_GROUP];
+    float probs[SIMD_MAX_GROUP][16] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < group; ++g) {
+        const bf16 *qh = a->q + b * a->q_stride + (h * group + g) * dim;
+        for (int64_t c = 0; c < chunks; ++c)
+            qv[g * chunks + c] = (__m512bh)_mm512_loadu_si512(qh + c * 32);
+        for (int64_t d = 0; d < dim; d += 16)
+            _mm512_store_ps(acc + g * dim + d, _mm512_setzero_ps());
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+    }
+    const int64_t *table = a->tables + b * a->table_width;
+    const bf16 *kh = a->k_cache + h * a->num_blocks * bs * dim;
+    const bf16 *vh = a->v_cache + h * a->num_blocks * bs * dim;
+    const __m512 scale = _mm512_set1_ps(a->scale), neg_inf = _mm512_set1_ps(-INFINITY);
+    for (int64_t s0 = 0; s0 < len; s0 += 16) {
+        int64_t block = table[s0 / bs], row = s0 % bs;
+        const bf16 *kb = kh + (block * bs + row) * dim;
+        const bf16 *vb = vh + (block * bs + row) * dim;
+        int64_t n = len - s0 < 16 ? len - s0 : 16;
+        /* Keys past the sequence hold stale data (maybe NaN): their lanes are masked. */
+        __mmask16 live = (__mmask16)((1u << n) - 1u);
+        for (int64_t g = 0; g < group; ++g) {
+            __m512 part[16];
+            for (int i = 0; i < 16; ++i) {
+                __m512 dot = _mm512_setzero_ps();
+                for (int64_t c = 0; c < chunks; ++c)
+                    dot = _mm512_dpbf16_ps(
+                        dot, qv[g * chunks + c],
+                        (__m512bh)_mm512_loadu_si512(kb + i * dim + c * 32));
+                part[i] = dot;
+            }
+            __m512 s = _mm512_mask_blend_ps(live, neg_inf, _mm512_mul_ps(lane_sums16(part), scale));
+            float m = _mm512_reduce_max_ps(s);
+            float next = m > run_max[g] ? m : run_max[g];
+            /* exp(-inf) is 0: the first block rescales an empty accumulator. */
+            float alpha = run_max[g] == -INFINITY ? 0.0f : exp_f32(run_max[g] - next);
+            __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(next))));
+            run_sum[g] = run_sum[g] * alpha + _mm512_reduce_add_ps(e);
+            run_max[g] = next;
+            _mm512_store_ps(probs[g], e);
+            if (alpha != 1.0f) {
+                __m512 av = _mm512_set1_ps(alpha);
+                for (int64_t d = 0; d < dim; d += 16) {
+                    float *p = acc + g * dim + d;
+                    _mm512_store_ps(p, _mm512_mul_ps(_mm512_load_ps(p), av));
+                }
+            }
+        }
+        /* Each value row is widened once and added into every head of the group. */
+        for (int64_t i = 0; i < n; ++i) {
+            const bf16 *vr = vb + i * dim;
+            for (int64_t d = 0; d < dim; d += 16) {
+                __m512 v = widen16(vr + d);
+                for (int64_t g = 0; g < group; ++g) {
+                    float *p = acc + g * dim + d;
+                    _mm512_store_ps(p, _mm512_fmadd_ps(_mm512_set1_ps(probs[g][i]), v,
+                                                       _mm512_load_ps(p)));
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        bf16 *o = a->out + (b * a->q_heads + h * group + g) * dim;
+        float inv = 1.0f / run_sum[g];
+        for (int64_t d = 0; d < dim; ++d) o[d] = f2bf(acc[g * dim + d] * inv);
+    }
+}
+#endif
+
 void hp_paged_decode(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
                      int64_t num_blocks, int64_t block_size, const int64_t *tables,
                      int64_t table_width, const int64_t *seq_lens, bf16 *out, int64_t batch,
                      int64_t q_heads, int64_t kv_heads, int64_t dim, float scale) {
-    int64_t group = q_heads / kv_heads;
+    decode_args a = {q,        q_stride, k_cache, v_cache, num_blocks, block_size, tables,
+                     table_width, seq_lens, out, q_heads, kv_heads, dim, scale};
+    int simd = 0;
+#ifdef HP_DECODE_SIMD
+    simd = block_size % 16 == 0 && dim % 32 == 0 && dim <= SIMD_MAX_DIM &&
+           q_heads / kv_heads <= SIMD_MAX_GROUP;
+#endif
 #pragma omp parallel for schedule(dynamic, 1) if (batch * kv_heads > 1)
     for (int64_t task = 0; task < batch * kv_heads; ++task) {
-        int64_t b = task / kv_heads, h = task % kv_heads;
-        int64_t len = seq_lens[b];
-        float *qf = malloc(sizeof(float) * (size_t)(group * dim * 2 + dim + group * len));
-        float *acc = qf + group * dim;
-        float *kf = acc + group * dim;
-        float *scores = kf + dim;
-        for (int64_t g = 0; g < group; ++g) {
-            const bf16 *qh = q + b * q_stride + (h * group + g) * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) {
-                qf[g * dim + d] = bf2f(qh[d]) * scale;
-                acc[g * dim + d] = 0.0f;
-            }
+#ifdef HP_DECODE_SIMD
+        if (simd) {
+            decode_task_simd(&a, task / kv_heads, task % kv_heads);
+            continue;
         }
-        const int64_t *table = tables + b * table_width;
-        const bf16 *kh = k_cache + h * num_blocks * block_size * dim;
-        const bf16 *vh = v_cache + h * num_blocks * block_size * dim;
-        for (int64_t s0 = 0; s0 < len; s0 += block_size) {
-            const bf16 *kb = kh + table[s0 / block_size] * block_size * dim;
-            int64_t n = len - s0 < block_size ? len - s0 : block_size;
-            for (int64_t i = 0; i < n; ++i) {
-                const bf16 *kr = kb + i * dim;
-                /* Widen the key once for the whole group; the dot products then vectorise. */
-#pragma omp simd
-                for (int64_t d = 0; d < dim; ++d) kf[d] = bf2f(kr[d]);
-                for (int64_t g = 0; g < group; ++g) {
-                    const float *qg = qf + g * dim;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kf[d];
-                    scores[g * len + s0 + i] = dot;
-                }
-            }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-            float *sg = scores + g * len;
-            float m = -INFINITY;
-            for (int64_t s = 0; s < len; ++s) m = sg[s] > m ? sg[s] : m;
-            float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-            for (int64_t s = 0; s < len; ++s) {
-                sg[s] = exp_f32(sg[s] - m);
-                total += sg[s];
-            }
-            float inv = 1.0f / total;
-#pragma omp simd
-            for (int64_t s = 0; s < len; ++s) sg[s] *= inv;
-        }
-        for (int64_t s0 = 0; s0 < len; s0 += block_size) {
-            const bf16 *vb = vh + table[s0 / block_size] * block_size * dim;
-            int64_t n = len - s0 < block_size ? len - s0 : block_size;
-            for (int64_t i = 0; i < n; ++i) {
-                const bf16 *vr = vb + i * dim;
-                for (int64_t g = 0; g < group; ++g) {
-                    float p = scores[g * len + s0 + i];
-                    float *ag = acc + g * dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < dim; ++d) ag[d] += p * bf2f(vr[d]);
-                }
-            }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-            bf16 *o = out + (b * q_heads + h * group + g) * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) o[d] = f2bf(acc[g * dim + d]);
-        }
-        free(qf);
+#endif
+        decode_task_scalar(&a, task / kv_heads, task % kv_heads);
     }
+    (void)simd;
+}
+
+/* Whether hp_paged_decode has its AVX-512 BF16 path in this build (tests ask). */
+int hp_decode_simd(void) {
+#ifdef HP_DECODE_SIMD
+    return 1;
+#else
+    return 0;
+#endif
 }

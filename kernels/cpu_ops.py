@@ -108,7 +108,13 @@ class CpuOps:
             fn = getattr(lib, name)
             fn.argtypes = args
             fn.restype = None
+        lib.hp_decode_simd.argtypes = ()
+        lib.hp_decode_simd.restype = ctypes.c_int
         self._lib = lib
+        # Whether paged_decode has its AVX-512 BF16 path (built where -march=native has it;
+        # it serves block sizes that are multiples of 16 and head dims that are multiples
+        # of 32, the scalar path the rest).
+        self.decode_simd = bool(lib.hp_decode_simd())
 
     def add_rms_norm(
         self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float

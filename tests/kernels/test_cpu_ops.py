@@ -151,6 +151,45 @@ def test_paged_decode_matches_the_torch_path(
     torch.testing.assert_close(ours.double(), ref, rtol=2 * BF16_STEP, atol=2e-3)
 
 
+@pytest.mark.parametrize(("block_size", "dim", "group"), [(16, 64, 3), (32, 128, 4), (16, 32, 1)])
+def test_paged_decode_vector_path_matches_float64_and_ignores_stale_slots(
+    ops: cpu_ops.CpuOps, block_size: int, dim: int, group: int
+) -> None:
+    """The shapes the AVX-512 path takes (block sizes in 16s, dims in 32s): lengths that end
+    mid-chunk, on a chunk edge, past a block edge; slots past each sequence's end hold NaN
+    and infinities, as a reused block's stale rows may, and must not reach the output."""
+    gen = torch.Generator().manual_seed(dim + group)
+    lens = [1, 15, 16, 17, block_size + 3, 5 * block_size]
+    n_kv = 2
+    width = max(-(-n // block_size) for n in lens)
+    nb = width * len(lens)
+    k_cache = torch.full((n_kv, nb, block_size, dim), float("nan"), dtype=torch.bfloat16)
+    v_cache = torch.full_like(k_cache, float("inf"))
+    tables = torch.randperm(nb, generator=gen).view(len(lens), width)
+    for b, n in enumerate(lens):
+        for pos in range(n):
+            block, row = tables[b, pos // block_size], pos % block_size
+            k_cache[:, block, row] = _bf16(n_kv, dim, gen=gen)
+            v_cache[:, block, row] = _bf16(n_kv, dim, gen=gen)
+    q = _bf16(len(lens), n_kv * group, dim, gen=gen, scale=2.0)
+    seq_lens = torch.tensor(lens)
+    ours = ops.paged_decode(q, k_cache, v_cache, tables, seq_lens)
+    assert torch.isfinite(ours.float()).all()
+    ref = paged_decode(
+        q.double(), k_cache.double().nan_to_num(0, 0, 0), v_cache.double().nan_to_num(0, 0, 0),
+        tables, seq_lens,
+    )  # fmt: skip
+    torch.testing.assert_close(ours.double(), ref, rtol=2 * BF16_STEP, atol=2e-3)
+
+
+def test_the_vector_decode_path_is_built_where_the_cpu_has_avx512_bf16(
+    ops: cpu_ops.CpuOps,
+) -> None:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    has = " avx512_bf16" in flags and " avx512f" in flags
+    assert ops.decode_simd == has  # -march=native: the build follows the host CPU
+
+
 def test_paged_decode_reads_strided_queries_and_fills_out(ops: cpu_ops.CpuOps) -> None:
     gen = torch.Generator().manual_seed(7)
     q, k_cache, v_cache, tables, seq_lens = _paged_case([20, 3], 6, 2, 16, gen)
