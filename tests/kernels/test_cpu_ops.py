@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from hotpool.kernels import cpu_ops
-from hotpool.kernels.paged_attention import paged_decode, write_kv
+from hotpool.kernels.paged_attention import paged_decode, paged_prefill, write_kv
+from hotpool.worker.models import attention
 
 BF16_STEP = 2**-7  # relative distance between neighbouring bfloat16 values (at most)
 
@@ -180,6 +181,32 @@ def test_paged_decode_vector_path_matches_float64_and_ignores_stale_slots(
         tables, seq_lens,
     )  # fmt: skip
     torch.testing.assert_close(ours.double(), ref, rtol=2 * BF16_STEP, atol=2e-3)
+
+
+@pytest.mark.parametrize(("start", "t"), [(0, 1), (0, 40), (23, 9), (0, 200), (300, 64)])
+def test_native_prefill_matches_float64_on_both_of_its_routes(
+    ops: cpu_ops.CpuOps, start: int, t: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Short chunks run as one decode row per token, long ones (past SHORT_PREFILL_PAIRS)
+    through gather + SDPA: either way, causal attention over the cached prefix."""
+    gen = torch.Generator().manual_seed(start + t)
+    n_kv, group, d, bs = 3, 3, 64, 16
+    n = start + t
+    table = torch.randperm(64, generator=gen)[: -(-n // bs)]
+    k_cache, v_cache = (_bf16(n_kv, 64, bs, d, gen=gen) for _ in range(2))
+    q = _bf16(t, n_kv * group, d, gen=gen, scale=2.0)
+    sdpa_calls: list[int] = []
+
+    def counted(*args: object) -> torch.Tensor:
+        sdpa_calls.append(1)
+        return paged_prefill(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "paged_prefill", counted)
+    prefill = attention.attention_kernels(k_cache, backend="native").prefill
+    ours = prefill(q, k_cache, v_cache, table, start)
+    ref = paged_prefill(q.double(), k_cache.double(), v_cache.double(), table, start)
+    torch.testing.assert_close(ours.double(), ref, rtol=2 * BF16_STEP, atol=2e-3)
+    assert bool(sdpa_calls) == (t * n > attention.SHORT_PREFILL_PAIRS)  # the route it took
 
 
 def test_the_vector_decode_path_is_built_where_the_cpu_has_avx512_bf16(

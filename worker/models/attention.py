@@ -258,10 +258,35 @@ def attention_kernels(
         if ops is not None:
             # The C kernel reads the sequence lengths; it needs no key bias.
             decode = functools.partial(_without_key_bias, ops.paged_decode)
-            return AttentionKernels("native", ops.write_kv, decode, paged_prefill, False)
+            prefill = functools.partial(_short_prefill_as_decodes, ops.paged_decode)
+            return AttentionKernels("native", ops.write_kv, decode, prefill, False)
         if backend == "native":
             raise ValueError("the native kernels need a bfloat16 CPU cache and a C compiler")
     return TORCH_KERNELS
+
+
+# Up to this many (query, key) pairs, a prefill chunk runs as one decode row per token (its
+# key count growing by one each row): measured 1.4-3.7x faster than gather + SDPA for chunks
+# of 16-132 tokens, even at ~60k pairs, slower beyond (SDPA's tiled matmuls reuse each key
+# across queries; the decode kernel reads it once per query).
+SHORT_PREFILL_PAIRS = 32768
+
+
+def _short_prefill_as_decodes(
+    decode: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    start: int,
+) -> torch.Tensor:
+    """``paged_prefill``'s function: token i of the chunk attends to ``start + i + 1`` keys."""
+    t = q.shape[0]
+    if t * (start + t) > SHORT_PREFILL_PAIRS:
+        return paged_prefill(q, k_cache, v_cache, block_table, start)
+    tables = block_table.expand(t, -1).contiguous()
+    seq_lens = torch.arange(start + 1, start + t + 1, device=q.device)
+    return decode(q, k_cache, v_cache, tables, seq_lens)
 
 
 def _without_key_bias(
