@@ -85,33 +85,37 @@ def test_staggered_mixed_batches_match_each_prompt_alone() -> None:
 
 
 def test_bf16_fused_kernels_and_torch_ops_agree_up_to_near_ties() -> None:
-    """The engine's bfloat16 CPU path (fused C kernels, paged decode included) against torch
-    ops on the same batches. bfloat16 rounding differs between them, so (vLLM's
+    """The engine's bfloat16 CPU path (fused C kernels, paged attention included) against
+    torch ops on the same batches. bfloat16 rounding differs between them, so (vLLM's
     ``check_logprobs_close`` rule) a request may diverge only where each side's token is in
-    the other's top 5."""
-    outs = {}
-    for native in (True, False):
-        model = tiny_model(seed=3).to(torch.bfloat16)
-        model.native_ops = native
-        engine = LLMEngine(model, CPU, EngineConfig(kv_cache_bytes=512 * BLOCK_BYTES))
-        assert engine.runner.attention.name == ("native" if native else "torch")
-        reqs = [_req(f"p{i}", p, max_tokens=10, logprobs=5) for i, p in enumerate(PROMPTS)]
-        outs[native] = _drain(engine, {i: [r] for i, r in enumerate(reqs)})
-    identical = 0
-    for rid, ours in outs[True].items():
-        theirs = outs[False][rid]
-        pairs = [
-            (a.new_token_ids[0], b.new_token_ids[0], a, b)
-            for a, b in zip(ours, theirs, strict=True)
-        ]
-        first = next(((x, y, a, b) for x, y, a, b in pairs if x != y), None)
-        if first is None:
-            identical += 1
-            continue
-        x, y, a, b = first
-        assert x in {t for t, _ in b.logprobs[0].top_logprobs}, rid
-        assert y in {t for t, _ in a.logprobs[0].top_logprobs}, rid
-    assert identical >= len(PROMPTS) // 2
+    the other's top 5. The tiny random models have many near-ties, and which of them flip
+    depends on summation order, so the share of identical requests is counted over three
+    models (24 requests): a path that were wrong beyond rounding would lose most of them."""
+    identical = total = 0
+    for seed in (1, 2, 3):
+        outs = {}
+        for native in (True, False):
+            model = tiny_model(seed=seed).to(torch.bfloat16)
+            model.native_ops = native
+            engine = LLMEngine(model, CPU, EngineConfig(kv_cache_bytes=512 * BLOCK_BYTES))
+            assert engine.runner.attention.name == ("native" if native else "torch")
+            reqs = [_req(f"p{i}", p, max_tokens=10, logprobs=5) for i, p in enumerate(PROMPTS)]
+            outs[native] = _drain(engine, {i: [r] for i, r in enumerate(reqs)})
+        for rid, ours in outs[True].items():
+            theirs = outs[False][rid]
+            pairs = [
+                (a.new_token_ids[0], b.new_token_ids[0], a, b)
+                for a, b in zip(ours, theirs, strict=True)
+            ]
+            total += 1
+            first = next(((x, y, a, b) for x, y, a, b in pairs if x != y), None)
+            if first is None:
+                identical += 1
+                continue
+            x, y, a, b = first
+            assert x in {t for t, _ in b.logprobs[0].top_logprobs}, (seed, rid)
+            assert y in {t for t, _ in a.logprobs[0].top_logprobs}, (seed, rid)
+    assert identical >= total // 2, f"{identical} of {total} requests identical"
 
 
 def test_kv_pressure_preempts_and_every_output_is_unchanged() -> None:
