@@ -139,6 +139,9 @@ void hp_write_kv(const bf16 *k, int64_t k_stride, const bf16 *v, int64_t v_strid
                  int64_t kv_heads, int64_t dim, const int64_t *slots, bf16 *k_cache,
                  bf16 *v_cache, int64_t slots_per_head) {
     size_t bytes = (size_t)dim * sizeof(bf16);
+    /* Each row lands on its own cache lines (and, fresh from the cache's lazy zeroing, on
+     * pages not yet faulted in): two threads overlap the misses. */
+#pragma omp parallel for schedule(static) if (rows >= 16)
     for (int64_t t = 0; t < rows; ++t) {
         for (int64_t h = 0; h < kv_heads; ++h) {
             int64_t dst = (h * slots_per_head + slots[t]) * dim;
