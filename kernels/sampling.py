@@ -71,17 +71,16 @@ from types import ModuleType
 import torch
 
 from hotpool.kernels.sampling_penalties import apply_penalties
-from hotpool.kernels.sampling_random import philox_seeds, row_generators
+from hotpool.kernels.sampling_random import row_generators
 from hotpool.kernels.sampling_reference import reference_sample
 from hotpool.kernels.sampling_torch import topk, torch_sample_tokens
-from hotpool.kernels.sampling_transfer import to_device, to_host
+from hotpool.kernels.sampling_transfer import kernel_params, to_host
 from hotpool.kernels.sampling_types import NonFiniteLogitsError, SamplerOutput, SamplingRow
 
 __all__ = ["BACKENDS", "NonFiniteLogitsError", "SamplerOutput", "SamplingRow", "sample"]
 
 BACKENDS = ("torch", "triton", "reference")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INT32_MAX = 2**31 - 1
 
 
 def sample(
@@ -165,15 +164,9 @@ def _sample_triton(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Sampler
         x = x.float()
     if x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()
-    floats = torch.tensor(
-        [[r.temperature for r in rows], [r.top_p for r in rows], [r.min_p for r in rows]],
-        dtype=torch.float32,
-    )
-    top_k = torch.tensor([min(r.top_k, _INT32_MAX) for r in rows], dtype=torch.int32)
-    ints = torch.tensor(philox_seeds(rows), dtype=torch.int64).reshape(2, len(rows))
-    floats, top_k, ints = (to_device(t, dev) for t in (floats, top_k, ints))
+    k = kernel_params(rows, dev)
     tokens, logprobs = kernels.triton_sample(
-        x, floats[0], top_k, floats[1], floats[2], ints[0], ints[1]
+        x, k.temperature, k.top_k, k.top_p, k.min_p, k.seeds, k.offsets
     )
     n = _num_logprobs(rows, logits.shape[1])
     top = None

@@ -320,6 +320,39 @@ def test_results_pack_into_one_host_copy_and_back() -> None:
     assert sampling_transfer.unpack(packed, 0).top_logprobs is None
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b", [1, 3, 4, 6])
+def test_kernel_params_carry_every_row_in_one_aligned_buffer(device: str, b: int) -> None:
+    rows = [
+        SamplingRow(
+            temperature=0.5 + i,
+            top_k=[0, 7, 2**40][i % 3],
+            top_p=0.25 * (i % 4 + 1),
+            min_p=0.01 * i,
+            seed=[2**64 - 1, -(2**63), 123][i % 3],
+            offset=10 * i,
+        )
+        for i in range(b)
+    ]
+    k = sampling_transfer.kernel_params(rows, torch.device(device))
+    expect = {
+        "temperature": (torch.float32, [r.temperature for r in rows]),
+        "top_k": (torch.int32, [min(r.top_k, 2**31 - 1) for r in rows]),
+        "top_p": (torch.float32, [r.top_p for r in rows]),
+        "min_p": (torch.float32, [r.min_p for r in rows]),
+        "seeds": (torch.int64, [-1, -(2**63), 123, -1, -(2**63), 123][:b]),
+        "offsets": (torch.int64, [r.offset for r in rows]),
+    }
+    bases = set()
+    for name, (dtype, values) in expect.items():
+        t = getattr(k, name)
+        assert t.dtype == dtype and t.device.type == device and t.is_contiguous(), name
+        assert torch.equal(t.cpu(), torch.tensor(values, dtype=dtype)), name
+        assert t.data_ptr() % 16 == 0, name  # one compiled kernel variant, whatever B is
+        bases.add(t.untyped_storage().data_ptr())
+    assert len(bases) == 1  # one buffer, so one host-to-device copy
+
+
 # --- seeds ---------------------------------------------------------------------------------
 
 SEEDED = {
