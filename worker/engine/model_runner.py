@@ -46,10 +46,10 @@ class ModelRunner:
         self.device = device
         self.attention = attention_kernels(kv.k[0], model.native_ops, attention_backend)
         self.sampler_backend = sampler_backend
-        self._generators: dict[str, torch.Generator] = {}
+        self._rows: dict[str, SamplingRow] = {}  # each request's row, built once
 
     def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        self._rows.pop(request_id, None)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepOutput:
@@ -138,14 +138,17 @@ class ModelRunner:
         )
 
     def _row(self, req: Request) -> SamplingRow:
+        """The request's sampling row at this step. Its parameters, seeded generator and
+        token lists (live references, so penalties see every new token) are fixed at the
+        first step; later steps only move the offset."""
+        offset = len(req.output_token_ids)
+        row = self._rows.get(req.request_id)
+        if row is not None:
+            return row.with_offset(offset)
         p = req.params
-        gen = None
-        if p.seed is not None:
-            gen = self._generators.get(req.request_id)
-            if gen is None:
-                gen = self._generators[req.request_id] = torch.Generator().manual_seed(p.seed)
+        gen = None if p.seed is None else torch.Generator().manual_seed(p.seed)
         penalized = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-        return SamplingRow(
+        row = self._rows[req.request_id] = SamplingRow(
             temperature=p.temperature,
             top_k=p.top_k,
             top_p=p.top_p,
@@ -155,12 +158,13 @@ class ModelRunner:
             repetition_penalty=p.repetition_penalty,
             generator=gen,
             seed=p.seed,
-            offset=len(req.output_token_ids),
+            offset=offset,
             num_logprobs=p.logprobs or 0,
             logprob=p.logprobs is not None,
             prompt_token_ids=req.prompt_token_ids if penalized else (),
             output_token_ids=req.output_token_ids if penalized else (),
         )
+        return row
 
 
 def _tokens(req: Request, a: int, b: int) -> list[int]:
