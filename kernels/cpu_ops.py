@@ -41,6 +41,8 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "hp_rope": (_P, _I, _I, _I, _I, _P, _P, _P),
     "hp_write_kv": (_P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I),
     "hp_paged_decode": (_P, _I, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _F),
+    "hp_pack_linear": (_P, _I, _I, _P),
+    "hp_linear": (_P, _I, _I, _P, _I, _P, _P),
 }
 
 
@@ -108,13 +110,12 @@ class CpuOps:
             fn = getattr(lib, name)
             fn.argtypes = args
             fn.restype = None
-        lib.hp_decode_simd.argtypes = ()
-        lib.hp_decode_simd.restype = ctypes.c_int
+        lib.hp_avx512_bf16.argtypes = ()
+        lib.hp_avx512_bf16.restype = ctypes.c_int
         self._lib = lib
-        # Whether paged_decode has its AVX-512 BF16 path (built where -march=native has it;
-        # it serves block sizes that are multiples of 16 and head dims that are multiples
-        # of 32, the scalar path the rest).
-        self.decode_simd = bool(lib.hp_decode_simd())
+        # Whether the AVX-512 BF16 paths are built (where -march=native has them): paged
+        # decode's for block sizes in 16s and head dims in 32s, and the linear kernel.
+        self.avx512_bf16 = bool(lib.hp_avx512_bf16())
 
     def add_rms_norm(
         self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -261,6 +262,47 @@ class CpuOps:
             dim**-0.5,
         )
         return out
+
+    # The library is process-wide and stateless: models holding it copy and pickle cleanly
+    # (a copy shares it; unpickling loads this process's build).
+    def __deepcopy__(self, memo: dict[int, object]) -> CpuOps:
+        return self
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (load, ())
+
+    def linear_supported(self, out_features: int, in_features: int) -> bool:
+        """Whether :meth:`linear` serves this shape faster than oneDNN: with AVX-512 BF16
+        (elsewhere it runs, slowly, in portable C), n in 16s and k even (see cpu_ops.c)."""
+        return self.avx512_bf16 and out_features % 16 == 0 and in_features % 2 == 0
+
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` ``[n, k]`` in :meth:`linear`'s tiled layout (a new tensor, same size)."""
+        _bf16(weight, "weight", 2)
+        n, k = weight.shape
+        if n % 16 or k % 2:
+            raise ValueError(f"no packed linear for a [{n}, {k}] weight (n in 16s, k even)")
+        out = torch.empty_like(weight)
+        self._lib.hp_pack_linear(weight.data_ptr(), n, k, out.data_ptr())
+        return out
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x [m, k] @ weight.T (+ bias)`` in bfloat16 with float32 accumulation, for a
+        weight packed by :meth:`pack_linear`; ``bias`` float32 ``[n]`` or None."""
+        n, k = packed.shape
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be [m, {k}] bfloat16, got {x.dtype} {tuple(x.shape)}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+            raise ValueError(f"bias must be float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+        x = x.contiguous()
+        y = x.new_empty(x.shape[0], n)
+        self._lib.hp_linear(
+            x.data_ptr(), x.shape[0], k, packed.data_ptr(), n,
+            None if bias is None else bias.data_ptr(), y.data_ptr(),
+        )  # fmt: skip
+        return y
 
 
 def _bf16(t: torch.Tensor, name: str, dims: int) -> None:

@@ -214,7 +214,36 @@ def test_the_vector_decode_path_is_built_where_the_cpu_has_avx512_bf16(
 ) -> None:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     has = " avx512_bf16" in flags and " avx512f" in flags
-    assert ops.decode_simd == has  # -march=native: the build follows the host CPU
+    assert ops.avx512_bf16 == has  # -march=native: the build follows the host CPU
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 33, 300])  # row tiles of 8, blocks of 256
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (16, 2), (80, 576), (96 + 32, 30)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_is_float32_accumulation_rounded_once(
+    ops: cpu_ops.CpuOps, m: int, n: int, k: int, bias: bool
+) -> None:
+    """Feature tiles of 48 with 16- and 32-wide tails, any row count, an optional bias:
+    the float64 product, rounded to bfloat16 once (a float32 sum in another order may land
+    one bfloat16 step away)."""
+    gen = torch.Generator().manual_seed(m * n + k)
+    x, w = _bf16(m, k, gen=gen), _bf16(n, k, gen=gen, scale=0.2)
+    b = torch.randn(n, generator=gen) if bias else None
+    ours = ops.linear(x, ops.pack_linear(w), b)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    _close_to_one_step(ours, exact.to(torch.bfloat16), exact_share=0.9)
+    assert (ours.float() - exact).abs().max() <= BF16_STEP * exact.abs().max()
+
+
+def test_linear_rejects_what_it_cannot_compute(ops: cpu_ops.CpuOps) -> None:
+    assert not ops.linear_supported(97, 64) and not ops.linear_supported(96, 63)
+    with pytest.raises(ValueError, match="no packed linear"):
+        ops.pack_linear(torch.zeros(97, 64, dtype=torch.bfloat16))
+    packed = ops.pack_linear(torch.zeros(32, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"x must be \[m, 8\]"):
+        ops.linear(torch.zeros(2, 9, dtype=torch.bfloat16), packed, None)
+    with pytest.raises(ValueError, match="bias must be float32"):
+        ops.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, torch.zeros(32).bfloat16())
 
 
 def test_paged_decode_reads_strided_queries_and_fills_out(ops: cpu_ops.CpuOps) -> None:

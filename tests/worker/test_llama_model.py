@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny_llama import TINY, tiny_model
 
+from hotpool.kernels import cpu_ops
 from hotpool.worker.models.attention import ContiguousAttention, SequenceKVCache
 from hotpool.worker.models.llama import LlamaModel, convert_hf_state_dict
 
@@ -73,6 +74,13 @@ def test_prepacked_bf16_linears_compute_what_plain_ones_do() -> None:
     plain = tiny_model(seed=2).to(torch.bfloat16)
     packed = copy.deepcopy(plain)
     assert pack_linears(packed) == 2 * 4 + 1  # four linears per layer, and the lm_head
+    # hotpool's kernel where the CPU has AVX-512 BF16 and the shape fits (features in 16s),
+    # oneDNN for the rest: the lm_head's 97 features.
+    backends = {name: m.backend for name, m in packed.named_modules() if hasattr(m, "backend")}
+    assert backends.pop("lm_head") == "onednn"
+    ops = cpu_ops.load()
+    fast = ops is not None and ops.avx512_bf16
+    assert set(backends.values()) == {"native" if fast else "onednn"}
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     c = plain.config
     outs = []

@@ -1,14 +1,19 @@
-"""Linear layers with oneDNN-prepacked weights, for bf16 on CPU.
+"""Linear layers with weights prepacked once at load, for bf16 on CPU.
 
 ``F.linear`` on bf16 CPU tensors lets oneDNN reorder the weight into its blocked layout on
 every call; reordering once at load time is measured here at 2x faster for one row (decode
-of a single stream) and 20-30% faster at 32-64 rows. The same op inductor emits for CPU.
+of a single stream) and 20-30% faster at 32-64 rows. Where the CPU has AVX-512 BF16 and
+the shape allows, hotpool's own kernel (``kernels/cpu_ops.c``, ``hp_linear``) runs instead:
+1.2-2x faster than oneDNN's at 1-64 rows, level beyond (``benchmarks/bench_linear.py``).
+Either way one packed copy of the weight is kept, the same size as the original.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from hotpool.kernels import cpu_ops
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -27,10 +32,26 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        weight = linear.weight.detach()
+        kernels = cpu_ops.load()
+        self.kernels = (
+            kernels if kernels is not None and kernels.linear_supported(*weight.shape) else None
+        )
+        if self.kernels is not None:
+            self.packed = self.kernels.pack_linear(weight)
+            # The kernel adds the bias in float32 before its one rounding, as oneDNN does.
+            self.bias = None if linear.bias is None else linear.bias.detach().float()
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            self.bias = None if linear.bias is None else linear.bias.detach()
+
+    @property
+    def backend(self) -> str:
+        return "native" if self.kernels is not None else "onednn"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.linear(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self.packed, self.bias, "none", [], ""
         )
