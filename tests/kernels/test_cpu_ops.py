@@ -8,6 +8,7 @@ computed in another order. Decode attention is compared with a float64 reference
 from __future__ import annotations
 
 import logging
+import platform
 from pathlib import Path
 
 import pytest
@@ -233,6 +234,25 @@ def test_linear_is_float32_accumulation_rounded_once(
     exact = x.double() @ w.double().T + (0 if b is None else b.double())
     _close_to_one_step(ours, exact.to(torch.bfloat16), exact_share=0.9)
     assert (ours.float() - exact).abs().max() <= BF16_STEP * exact.abs().max()
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v3 is an x86 target"
+)
+def test_a_build_without_avx512_bf16_computes_the_same_functions(tmp_path: Path) -> None:
+    """The portable C that CPUs without AVX-512 BF16 run (AVX2 here): the linear kernel
+    (PackedLinear keeps oneDNN there, but the kernel stays correct) and paged decode."""
+    portable = cpu_ops.CpuOps(cpu_ops.build(tmp_path, march="x86-64-v3"))
+    assert not portable.avx512_bf16 and not portable.linear_supported(96, 64)
+    gen = torch.Generator().manual_seed(11)
+    x, w = _bf16(9, 64, gen=gen), _bf16(80, 64, gen=gen, scale=0.2)
+    b = torch.randn(80, generator=gen)
+    exact = (x.double() @ w.double().T + b.double()).to(torch.bfloat16)
+    _close_to_one_step(portable.linear(x, portable.pack_linear(w), b), exact, exact_share=0.9)
+    q, k_cache, v_cache, tables, seq_lens = _paged_case([1, 17, 48], 6, 2, 16, gen)
+    ref = paged_decode(q.double(), k_cache.double(), v_cache.double(), tables, seq_lens)
+    ours = portable.paged_decode(q, k_cache, v_cache, tables, seq_lens)
+    torch.testing.assert_close(ours.double(), ref, rtol=2 * BF16_STEP, atol=2e-3)
 
 
 def test_linear_rejects_what_it_cannot_compute(ops: cpu_ops.CpuOps) -> None:
