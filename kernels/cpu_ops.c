@@ -430,17 +430,40 @@ int hp_avx512_bf16(void) {
  */
 #define LIN_TILE 48
 
+/* One tile: features rows[0..width) of w (row indices), as [k / 2][width][2]. */
+static void pack_tile(const bf16 *w, int64_t k, const int64_t *rows, int64_t width, bf16 *tile) {
+    for (int64_t kp = 0; kp < k / 2; ++kp)
+        for (int64_t j = 0; j < width; ++j) {
+            const bf16 *src = w + rows[j] * k + 2 * kp;
+            bf16 *dst = tile + (kp * width + j) * 2;
+            dst[0] = src[0];
+            dst[1] = src[1];
+        }
+}
+
 void hp_pack_linear(const bf16 *w, int64_t n, int64_t k, bf16 *out) {
+    int64_t rows[LIN_TILE];
     for (int64_t f0 = 0; f0 < n; f0 += LIN_TILE) {
         int64_t width = n - f0 < LIN_TILE ? n - f0 : LIN_TILE;
-        bf16 *tile = out + f0 * k;
-        for (int64_t kp = 0; kp < k / 2; ++kp)
-            for (int64_t j = 0; j < width; ++j) {
-                const bf16 *src = w + (f0 + j) * k + 2 * kp;
-                bf16 *dst = tile + (kp * width + j) * 2;
-                dst[0] = src[0];
-                dst[1] = src[1];
-            }
+        for (int64_t j = 0; j < width; ++j) rows[j] = f0 + j;
+        pack_tile(w, k, rows, width, out + f0 * k);
+    }
+}
+
+/*
+ * The MLP's fused gate/up projection, w = [gate | up] ([2 inter, k]), packed so that each
+ * 32-feature tile holds 16 gate features and the same 16 up features: hp_gate_up can then
+ * finish with silu(gate) * up in registers (HF's LlamaMLP, rounded where HF rounds) and
+ * write [m, inter], instead of writing [m, 2 inter] for hp_silu_mul to read back.
+ */
+void hp_pack_gate_up(const bf16 *w, int64_t inter, int64_t k, bf16 *out) {
+    int64_t rows[32];
+    for (int64_t f0 = 0; f0 < inter; f0 += 16) {
+        for (int64_t j = 0; j < 16; ++j) {
+            rows[j] = f0 + j;
+            rows[16 + j] = inter + f0 + j;
+        }
+        pack_tile(w, k, rows, 32, out + 2 * f0 * k);
     }
 }
 
@@ -478,6 +501,53 @@ typedef void (*lin_fn)(const bf16 *, int64_t, const bf16 *, bf16 *, int64_t, con
 #define LIN_ROW(R) {lin_##R##_1, lin_##R##_2, lin_##R##_3}
 static const lin_fn LIN[8][3] = {LIN_ROW(1), LIN_ROW(2), LIN_ROW(3), LIN_ROW(4),
                                  LIN_ROW(5), LIN_ROW(6), LIN_ROW(7), LIN_ROW(8)};
+
+static inline __m512 round_bf16(__m512 v) { /* to bf16 and back, nearest even */
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* R rows x one gate/up tile; act: y [m, inter] = silu(gate) * up, else y [m, 2 inter]. */
+#define GU_KERNEL(R)                                                                        \
+    static void gu_##R(const bf16 *x, int64_t k, const bf16 *tile, bf16 *y, int64_t inter, \
+                       int64_t f0, const float *bias, int act) {                           \
+        __m512 g[R], u[R];                                                                  \
+        for (int r = 0; r < R; ++r) g[r] = u[r] = _mm512_setzero_ps();                      \
+        const uint32_t *pairs = (const uint32_t *)x;                                        \
+        for (int64_t kp = 0; kp < k / 2; ++kp) {                                            \
+            __m512bh wg = (__m512bh)_mm512_loadu_si512(tile + kp * 64);                     \
+            __m512bh wu = (__m512bh)_mm512_loadu_si512(tile + kp * 64 + 32);                \
+            for (int r = 0; r < R; ++r) {                                                   \
+                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pairs[r * (k / 2) + kp]);    \
+                g[r] = _mm512_dpbf16_ps(g[r], xb, wg);                                      \
+                u[r] = _mm512_dpbf16_ps(u[r], xb, wu);                                      \
+            }                                                                               \
+        }                                                                                   \
+        for (int r = 0; r < R; ++r) {                                                       \
+            if (bias) {                                                                     \
+                g[r] = _mm512_add_ps(g[r], _mm512_loadu_ps(bias + f0));                     \
+                u[r] = _mm512_add_ps(u[r], _mm512_loadu_ps(bias + inter + f0));             \
+            }                                                                               \
+            if (act) {                                                                      \
+                __m512 gb = round_bf16(g[r]), one = _mm512_set1_ps(1.0f);                   \
+                __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gb));                   \
+                __m512 s = round_bf16(_mm512_div_ps(gb, _mm512_add_ps(one, e)));            \
+                __m512 out = _mm512_mul_ps(s, round_bf16(u[r]));                            \
+                _mm256_storeu_si256((__m256i *)(y + r * inter + f0),                       \
+                                    (__m256i)_mm512_cvtneps_pbh(out));                      \
+            } else {                                                                        \
+                bf16 *row = y + r * 2 * inter;                                              \
+                _mm256_storeu_si256((__m256i *)(row + f0), (__m256i)_mm512_cvtneps_pbh(g[r])); \
+                _mm256_storeu_si256((__m256i *)(row + inter + f0),                         \
+                                    (__m256i)_mm512_cvtneps_pbh(u[r]));                     \
+            }                                                                               \
+        }                                                                                   \
+    }
+GU_KERNEL(1) GU_KERNEL(2) GU_KERNEL(3) GU_KERNEL(4)
+GU_KERNEL(5) GU_KERNEL(6) GU_KERNEL(7) GU_KERNEL(8)
+typedef void (*gu_fn)(const bf16 *, int64_t, const bf16 *, bf16 *, int64_t, int64_t,
+                      const float *, int);
+static const gu_fn GU[8] = {gu_1, gu_2, gu_3, gu_4, gu_5, gu_6, gu_7, gu_8};
 #endif
 
 /* x [m, k] and y [m, n] contiguous; packed from hp_pack_linear; bias float32 or NULL. */
@@ -507,6 +577,50 @@ void hp_linear(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t 
                         acc += bf2f(x[r * k + 2 * kp + 1]) * bf2f(wp[1]);
                     }
                     y[r * n + f0 + j] = f2bf(b ? acc + b[j] : acc);
+                }
+#endif
+        }
+    }
+}
+
+/* x [m, k] contiguous; packed from hp_pack_gate_up; bias float32 [2 inter] or NULL; y
+ * [m, inter] (act) or [m, 2 inter]. */
+void hp_gate_up(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t inter,
+                const float *bias, int act, bf16 *y) {
+    int64_t tiles = inter / 16, width = act ? inter : 2 * inter;
+    for (int64_t m0 = 0; m0 < m; m0 += 256) {
+        int64_t m1 = m0 + 256 < m ? m0 + 256 : m;
+#pragma omp parallel for schedule(static) if (tiles > 1)
+        for (int64_t t = 0; t < tiles; ++t) {
+            int64_t f0 = 16 * t;
+            const bf16 *tile = packed + 2 * f0 * k;
+#ifdef HP_AVX512_BF16
+            for (int64_t r0 = m0; r0 < m1; r0 += 8) {
+                int64_t rows = m1 - r0 < 8 ? m1 - r0 : 8;
+                GU[rows - 1](x + r0 * k, k, tile, y + r0 * width, inter, f0, bias, act);
+            }
+#else
+            for (int64_t r = m0; r < m1; ++r)
+                for (int64_t j = 0; j < 16; ++j) {
+                    float gate = 0.0f, up = 0.0f;
+                    for (int64_t kp = 0; kp < k / 2; ++kp) {
+                        const bf16 *wg = tile + (kp * 32 + j) * 2, *wu = wg + 32;
+                        float x0 = bf2f(x[r * k + 2 * kp]), x1 = bf2f(x[r * k + 2 * kp + 1]);
+                        gate += x0 * bf2f(wg[0]) + x1 * bf2f(wg[1]);
+                        up += x0 * bf2f(wu[0]) + x1 * bf2f(wu[1]);
+                    }
+                    if (bias) {
+                        gate += bias[f0 + j];
+                        up += bias[inter + f0 + j];
+                    }
+                    if (act) {
+                        float gf = round_bf(gate);
+                        float sv = round_bf(gf / (1.0f + exp_f32(-gf)));
+                        y[r * inter + f0 + j] = f2bf(sv * round_bf(up));
+                    } else {
+                        y[r * 2 * inter + f0 + j] = f2bf(gate);
+                        y[r * 2 * inter + inter + f0 + j] = f2bf(up);
+                    }
                 }
 #endif
         }

@@ -43,6 +43,8 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "hp_paged_decode": (_P, _I, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _F),
     "hp_pack_linear": (_P, _I, _I, _P),
     "hp_linear": (_P, _I, _I, _P, _I, _P, _P),
+    "hp_pack_gate_up": (_P, _I, _I, _P),
+    "hp_gate_up": (_P, _I, _I, _P, _I, _P, ctypes.c_int, _P),
 }
 
 
@@ -302,6 +304,36 @@ class CpuOps:
         self._lib.hp_linear(
             x.data_ptr(), x.shape[0], k, packed.data_ptr(), n,
             None if bias is None else bias.data_ptr(), y.data_ptr(),
+        )  # fmt: skip
+        return y
+
+    def pack_gate_up(self, weight: torch.Tensor) -> torch.Tensor:
+        """The MLP's ``[gate | up]`` weight ``[2 I, k]`` in :meth:`gate_up`'s layout
+        (16 gate and 16 up features per tile; I in 16s, k even)."""
+        _bf16(weight, "weight", 2)
+        n, k = weight.shape
+        if n % 32 or k % 2:
+            raise ValueError(f"no packed gate/up for a [{n}, {k}] weight (2 I in 32s, k even)")
+        out = torch.empty_like(weight)
+        self._lib.hp_pack_gate_up(weight.data_ptr(), n // 2, k, out.data_ptr())
+        return out
+
+    def gate_up(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, act: bool
+    ) -> torch.Tensor:
+        """``x @ [gate | up].T (+ bias)`` for a weight packed by :meth:`pack_gate_up`: with
+        ``act``, ``silu(gate) * up`` ``[m, I]`` (what ``silu_mul`` makes of the plain
+        output), else the plain ``[m, 2 I]``."""
+        n, k = packed.shape
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be [m, {k}] bfloat16, got {x.dtype} {tuple(x.shape)}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+            raise ValueError(f"bias must be float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+        x = x.contiguous()
+        y = x.new_empty(x.shape[0], n // 2 if act else n)
+        self._lib.hp_gate_up(
+            x.data_ptr(), x.shape[0], k, packed.data_ptr(), n // 2,
+            None if bias is None else bias.data_ptr(), int(act), y.data_ptr(),
         )  # fmt: skip
         return y
 

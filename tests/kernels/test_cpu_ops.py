@@ -249,10 +249,33 @@ def test_a_build_without_avx512_bf16_computes_the_same_functions(tmp_path: Path)
     b = torch.randn(80, generator=gen)
     exact = (x.double() @ w.double().T + b.double()).to(torch.bfloat16)
     _close_to_one_step(portable.linear(x, portable.pack_linear(w), b), exact, exact_share=0.9)
+    packed = portable.pack_gate_up(w[:64])
+    plain = portable.gate_up(x, packed, b[:64], act=False)
+    _close_to_one_step(plain, exact[:, :64], exact_share=0.9)
+    assert torch.equal(portable.gate_up(x, packed, b[:64], act=True), portable.silu_mul(plain))
     q, k_cache, v_cache, tables, seq_lens = _paged_case([1, 17, 48], 6, 2, 16, gen)
     ref = paged_decode(q.double(), k_cache.double(), v_cache.double(), tables, seq_lens)
     ours = portable.paged_decode(q, k_cache, v_cache, tables, seq_lens)
     torch.testing.assert_close(ours.double(), ref, rtol=2 * BF16_STEP, atol=2e-3)
+
+
+@pytest.mark.parametrize("m", [1, 9, 300])
+@pytest.mark.parametrize(("inter", "k"), [(16, 8), (48, 64), (1536, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_up_is_the_linear_and_its_activation_is_silu_mul_bit_for_bit(
+    ops: cpu_ops.CpuOps, m: int, inter: int, k: int, bias: bool
+) -> None:
+    """The MLP's [gate | up] projection packed in gate/up pairs: its plain output is the
+    linear's, and its fused activation is exactly what silu_mul makes of that output."""
+    gen = torch.Generator().manual_seed(m + inter + k)
+    x, w = _bf16(m, k, gen=gen), _bf16(2 * inter, k, gen=gen, scale=0.3)
+    b = torch.randn(2 * inter, generator=gen) if bias else None
+    packed = ops.pack_gate_up(w)
+    plain = ops.gate_up(x, packed, b, act=False)
+    assert torch.equal(plain, ops.linear(x, ops.pack_linear(w), b))
+    assert torch.equal(ops.gate_up(x, packed, b, act=True), ops.silu_mul(plain))
+    with pytest.raises(ValueError, match="no packed gate/up"):
+        ops.pack_gate_up(torch.zeros(48, 8, dtype=torch.bfloat16))  # I = 24
 
 
 def test_linear_rejects_what_it_cannot_compute(ops: cpu_ops.CpuOps) -> None:

@@ -81,6 +81,8 @@ def test_prepacked_bf16_linears_compute_what_plain_ones_do() -> None:
     ops = cpu_ops.load()
     fast = ops is not None and ops.avx512_bf16
     assert set(backends.values()) == {"native" if fast else "onednn"}
+    gate_up = [type(layer.feed_forward.w13).__name__ for layer in packed.layers]
+    assert gate_up == ["PackedGateUp" if fast else "PackedLinear"] * len(packed.layers)
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     c = plain.config
     outs = []

@@ -146,6 +146,11 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        # A packed gate/up projection applies the activation itself (same bits as the native
+        # silu_mul); torch ops keep their own silu for the reference path.
+        fused = getattr(self.w13, "silu_mul", None)
+        if fused is not None and ops.name == "native":
+            return self.w2(fused(x))
         return self.w2(ops.silu_mul(self.w13(x)))
 
 

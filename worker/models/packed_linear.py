@@ -4,7 +4,8 @@
 every call; reordering once at load time is measured here at 2x faster for one row (decode
 of a single stream) and 20-30% faster at 32-64 rows. Where the CPU has AVX-512 BF16 and
 the shape allows, hotpool's own kernel (``kernels/cpu_ops.c``, ``hp_linear``) runs instead:
-1.2-2x faster than oneDNN's at 1-64 rows, level beyond (``benchmarks/bench_linear.py``).
+1.2-2x faster than oneDNN's at 1-64 rows, level beyond (``benchmarks/bench_linear.py``);
+the MLP's gate/up projection also applies its activation there (:class:`PackedGateUp`).
 Either way one packed copy of the weight is kept, the same size as the original.
 """
 
@@ -57,14 +58,49 @@ class PackedLinear(nn.Module):
         )
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` in ``model`` by a :class:`PackedLinear`; returns how many."""
+class PackedGateUp(PackedLinear):
+    """The MLP's fused ``[gate | up]`` projection on hotpool's kernel, which can also apply
+    the activation: :meth:`silu_mul` returns ``silu(gate) * up`` straight from the
+    accumulators (bit for bit what ``silu_mul`` makes of :meth:`forward`'s output), saving a
+    pass over ``[tokens, 2 I]`` and a kernel call per layer."""
+
+    def __init__(self, linear: nn.Linear, kernels: cpu_ops.CpuOps) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernels = kernels
+        self.packed = kernels.pack_gate_up(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    @staticmethod
+    def supported(linear: nn.Linear, kernels: cpu_ops.CpuOps) -> bool:
+        out, k = linear.out_features, linear.in_features
+        return kernels.linear_supported(out, k) and out % 32 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.gate_up(x, self.packed, self.bias, act=False)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.gate_up(x, self.packed, self.bias, act=True)
+
+
+def pack_linears(model: nn.Module, gate_up: str = "feed_forward.w13") -> int:
+    """Replace every ``nn.Linear`` in ``model`` by a :class:`PackedLinear` (a
+    :class:`PackedGateUp` for the linears named ``gate_up`` where the kernel serves them);
+    returns how many."""
     targets = [
-        (parent, name, child)
-        for parent in model.modules()
+        (parent, name, child, f"{parent_name}.{name}")
+        for parent_name, parent in model.named_modules()
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear)
     ]
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+    kernels = cpu_ops.load()
+    for parent, name, child, path in targets:
+        if (
+            kernels is not None
+            and path.endswith(gate_up)
+            and PackedGateUp.supported(child, kernels)
+        ):
+            setattr(parent, name, PackedGateUp(child, kernels))
+        else:
+            setattr(parent, name, PackedLinear(child))
     return len(targets)
