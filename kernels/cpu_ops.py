@@ -294,12 +294,7 @@ class CpuOps:
     ) -> torch.Tensor:
         """``x [m, k] @ weight.T (+ bias)`` in bfloat16 with float32 accumulation, for a
         weight packed by :meth:`pack_linear`; ``bias`` float32 ``[n]`` or None."""
-        n, k = packed.shape
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
-            raise ValueError(f"x must be [m, {k}] bfloat16, got {x.dtype} {tuple(x.shape)}")
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
-            raise ValueError(f"bias must be float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
-        x = x.contiguous()
+        x, n, k = _linear_inputs(x, packed, bias)
         y = x.new_empty(x.shape[0], n)
         self._lib.hp_linear(
             x.data_ptr(), x.shape[0], k, packed.data_ptr(), n,
@@ -324,18 +319,25 @@ class CpuOps:
         """``x @ [gate | up].T (+ bias)`` for a weight packed by :meth:`pack_gate_up`: with
         ``act``, ``silu(gate) * up`` ``[m, I]`` (what ``silu_mul`` makes of the plain
         output), else the plain ``[m, 2 I]``."""
-        n, k = packed.shape
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
-            raise ValueError(f"x must be [m, {k}] bfloat16, got {x.dtype} {tuple(x.shape)}")
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
-            raise ValueError(f"bias must be float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
-        x = x.contiguous()
+        x, n, k = _linear_inputs(x, packed, bias)
         y = x.new_empty(x.shape[0], n // 2 if act else n)
         self._lib.hp_gate_up(
             x.data_ptr(), x.shape[0], k, packed.data_ptr(), n // 2,
             None if bias is None else bias.data_ptr(), int(act), y.data_ptr(),
         )  # fmt: skip
         return y
+
+
+def _linear_inputs(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, int, int]:
+    """Checks a packed linear's input and bias; returns x contiguous, n and k."""
+    n, k = packed.shape
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [m, {k}] bfloat16, got {x.dtype} {tuple(x.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+        raise ValueError(f"bias must be float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    return x.contiguous(), n, k
 
 
 def _bf16(t: torch.Tensor, name: str, dims: int) -> None:
