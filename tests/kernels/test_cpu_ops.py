@@ -153,7 +153,12 @@ def test_paged_decode_matches_the_torch_path(
     torch.testing.assert_close(ours.double(), ref, rtol=2 * BF16_STEP, atol=2e-3)
 
 
-@pytest.mark.parametrize(("block_size", "dim", "group"), [(16, 64, 3), (32, 128, 4), (16, 32, 1)])
+# Shapes with a kernel of their own (dims 64 and 128, small groups: accumulators in registers)
+# and shapes that take the run-time-sized one.
+@pytest.mark.parametrize(
+    ("block_size", "dim", "group"),
+    [(16, 64, 3), (16, 64, 8), (32, 128, 4), (16, 128, 1), (16, 128, 6), (16, 32, 1), (16, 96, 2)],
+)
 def test_paged_decode_vector_path_matches_float64_and_ignores_stale_slots(
     ops: cpu_ops.CpuOps, block_size: int, dim: int, group: int
 ) -> None:
