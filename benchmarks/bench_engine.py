@@ -68,6 +68,8 @@ def bench_hotpool(
     model.native_ops = native
     config = EngineConfig(max_num_seqs=concurrency, max_num_batched_tokens=budget)
     engine = LLMEngine(model, torch.device("cpu"), config)
+    # A replica past its first second or two: the KV cache's pages are in (kv_memory.py).
+    engine.kv_cache.populated.wait()
     params = SamplingParams(
         max_tokens=OUTPUT_TOKENS, temperature=TEMPERATURE, top_p=TOP_P, ignore_eos=True
     )

@@ -9,10 +9,8 @@ reference that tests compare against.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import math
-import mmap
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ import torch.nn.functional as F
 
 from hotpool.kernels import cpu_ops
 from hotpool.kernels.paged_attention import paged_decode, paged_prefill, write_kv
+from hotpool.worker.models import kv_memory
 
 
 class Attention(ABC):
@@ -124,8 +123,16 @@ class PagedKVCache:
         device: torch.device,
     ) -> None:
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        # One allocation for every layer's K and V, viewed per layer.
-        self.storage = _zeros((2, num_layers, *shape), dtype, device)
+        # One allocation for every layer's K and V, viewed per layer. On the CPU it is
+        # zeroed lazily, in huge pages, and faulted in by a background thread
+        # (``kv_memory``): ``populated`` is set once that is over.
+        self.populated = threading.Event()
+        if torch.device(device).type == "cpu":
+            self.storage = kv_memory.zeros((2, num_layers, *shape), dtype)
+            self.populated = kv_memory.populate_in_background(self.storage)
+        else:
+            self.storage = torch.zeros((2, num_layers, *shape), dtype=dtype, device=device)
+            self.populated.set()
         self.k = list(self.storage[0])
         self.v = list(self.storage[1])
         self.num_blocks = num_blocks
@@ -136,39 +143,6 @@ class PagedKVCache:
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
-
-
-HUGE_PAGE = 2 << 20
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros, faulted in now, in transparent huge pages on the CPU.
-
-    An anonymous private ``mmap`` with ``MADV_HUGEPAGE`` (hosts default to ``madvise`` mode)
-    gets 2 MiB pages: decode attention reads 4 KiB of keys and values per block from all over
-    the cache, and with 4 KiB pages nearly every block costs a TLB miss (B=32, 192 keys, 30
-    layers, blocks as the engine hands them out: 10.3 -> 8.5 ms a step). Where the host
-    refuses huge pages the mapping still works, in small pages.
-
-    Every page is touched here, at load, rather than by the first requests to use it, as
-    vLLM's ``torch.zeros`` does: first-touch faults (and, on a VM, the host's own) in
-    ``write_kv`` cost ~100 ms of each 2,048-token prefill step and ~5% of a whole c=32
-    ``bench_engine.py`` run. Touching 1 GiB takes 0.3-0.8 s on the 2-core dev VM (the load
-    phase of a cold start), once. (Zeros, not garbage: the torch decode path reads padding
-    blocks, masked, and NaN * 0 would still be NaN.)"""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    # One extra huge page of address space (never touched) to start on a 2 MiB boundary.
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # THP disabled ("never") or not built in
-            region.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the mapping
-    skip = -raw.data_ptr() % HUGE_PAGE
-    raw = raw[skip : skip + nbytes]
-    raw[::4096].zero_()  # one write a page faults the mapping in; the rest is zero already
-    return raw.view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
