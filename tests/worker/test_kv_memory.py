@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ MIB = 1 << 20
 def _resident_bytes(address: int) -> int:
     """Rss of the mapping holding ``address``, from /proc/self/smaps."""
     inside = False
-    for line in open("/proc/self/smaps"):
+    for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
