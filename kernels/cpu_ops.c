@@ -707,3 +707,50 @@ void hp_gate_up(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t
         }
     }
 }
+
+/*
+ * Sampling helpers over float32 rows [rows, v], contiguous (the CPU sampler's full-row
+ * path, kernels/sampling_torch.py): one vectorised pass each where torch makes two or
+ * three.
+ */
+
+/* w = softmax(x / t) per row, as exp((x - max) * (1 / t)) / sum. exp flushes arguments
+ * below -87.3 to 0, so masked (-inf) logits weigh exactly 0; a row holding NaN or +inf
+ * comes out NaN throughout, as torch's softmax does. */
+void hp_softmax_t(const float *x, int64_t rows, int64_t v, const float *temperature, float *w) {
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * v;
+        float *wr = w + r * v;
+        float m = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t j = 0; j < v; ++j) {
+            m = xr[j] > m ? xr[j] : m;
+            nan |= xr[j] != xr[j];
+        }
+        float inv_t = 1.0f / temperature[r], sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < v; ++j) {
+            float z = (xr[j] - m) * inv_t;
+            float e = z < -87.3f ? 0.0f : exp_f32(z);
+            wr[j] = e;
+            sum += e;
+        }
+        float inv = nan ? NAN : 1.0f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < v; ++j) wr[j] *= inv;
+    }
+}
+
+/* out[r] = the sum of row r's weights strictly above pivot[r] (0 for a NaN pivot). */
+void hp_sum_above(const float *w, int64_t rows, int64_t v, const float *pivot, float *out) {
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *wr = w + r * v;
+        float p = pivot[r], sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < v; ++j) sum += wr[j] > p ? wr[j] : 0.0f;
+        out[r] = sum;
+    }
+}

@@ -45,6 +45,8 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "hp_linear": (_P, _I, _I, _P, _I, _P, _P),
     "hp_pack_gate_up": (_P, _I, _I, _P),
     "hp_gate_up": (_P, _I, _I, _P, _I, _P, ctypes.c_int, _P),
+    "hp_softmax_t": (_P, _I, _I, _P, _P),
+    "hp_sum_above": (_P, _I, _I, _P, _P),
 }
 
 
@@ -326,6 +328,39 @@ class CpuOps:
             None if bias is None else bias.data_ptr(), int(act), y.data_ptr(),
         )  # fmt: skip
         return y
+
+    def softmax_t(self, x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """``softmax(x / temperature)`` over rows of float32 ``x`` ``[R, V]`` (contiguous),
+        one temperature per row (``[R]`` or ``[R, 1]``). Arguments of exp below -87.3
+        count as 0: -inf logits weigh exactly 0."""
+        _f32_rows(x, "x")
+        t = _f32_column(temperature, x.shape[0], "temperature")
+        out = torch.empty_like(x)
+        self._lib.hp_softmax_t(x.data_ptr(), x.shape[0], x.shape[1], t.data_ptr(), out.data_ptr())
+        return out
+
+    def sum_above(self, w: torch.Tensor, pivot: torch.Tensor) -> torch.Tensor:
+        """``[R, 1]``: each row's sum of the float32 weights ``w`` ``[R, V]`` (contiguous)
+        strictly greater than its ``pivot``."""
+        _f32_rows(w, "w")
+        p = _f32_column(pivot, w.shape[0], "pivot")
+        out = w.new_empty(w.shape[0], 1)
+        self._lib.hp_sum_above(w.data_ptr(), w.shape[0], w.shape[1], p.data_ptr(), out.data_ptr())
+        return out
+
+
+def _f32_rows(t: torch.Tensor, name: str) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2:
+        raise ValueError(f"{name} must be a [R, V] float32 CPU tensor, got {t.dtype} {t.shape}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def _f32_column(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    """One float32 value per row, contiguous (a ``[R, 1]`` column or ``[R]``)."""
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.numel() != rows:
+        raise ValueError(f"{name} must hold {rows} float32 CPU values, got {t.dtype} {t.shape}")
+    return t.reshape(rows).contiguous()
 
 
 def _linear_inputs(

@@ -6,7 +6,10 @@ probabilities are summed in blocks, the uniform picks a block, then a token insi
 CPU their top-p is settled by rejection: a drawn token is kept when the tokens heavier than it
 weigh less than ``top_p`` of the total, otherwise the row draws again among the tokens heavier
 than the rejected one (FlashInfer's pivot), and after a few rounds finishes with a sort. Other
-devices sort those rows at once, so a call never waits for the device.
+devices sort those rows at once, so a call never waits for the device. On the CPU the
+full-row path's two costliest steps, the scaled softmax and the weight above a pivot, run
+in C (``cpu_ops``: one pass each where torch made two or three; where the kernels do not
+load, torch runs them).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hotpool.kernels import cpu_ops
 from hotpool.kernels.sampling_random import uniforms
 from hotpool.kernels.sampling_transfer import to_device
 from hotpool.kernels.sampling_types import SamplingRow
@@ -221,16 +225,25 @@ def _draw(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def _sample_full(x: torch.Tensor, p: _Params) -> torch.Tensor:
     """Sample rows without top_k over the whole row, unsorted; top-p by rejection."""
-    if not p.all_unit_temperature:
-        x = _scaled(x, p.temperature)
-    w = torch.softmax(x, dim=1)
+    native = _native(x)
+    if native is not None:  # one pass for max, one for exp and sum, one to normalise
+        w = native.softmax_t(x.contiguous(), p.temperature)
+    else:
+        w = torch.softmax(x if p.all_unit_temperature else _scaled(x, p.temperature), dim=1)
     if p.any_min_p:  # keep w >= min_p * max, by arithmetic: masks are slow on the CPU
         cut = torch.nextafter(p.min_p * w.amax(dim=1, keepdim=True), torch.zeros_like(p.min_p))
         w.mul_((w - cut).clamp_(min=0.0).sign_())
     tokens = _draw(w, p.uniform)
     if p.any_top_p:
-        _settle_nucleus(w, tokens, w.sum(dim=1, keepdim=True) * p.top_p, p)
+        _settle_nucleus(w, tokens, w.sum(dim=1, keepdim=True) * p.top_p, p, native)
     return tokens.squeeze(1)
+
+
+def _native(x: torch.Tensor) -> cpu_ops.CpuOps | None:
+    """The C kernels, for float32 CPU rows where they load."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return cpu_ops.load()
 
 
 def _scaled(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -244,7 +257,11 @@ def _scaled(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
 
 
 def _settle_nucleus(
-    w: torch.Tensor, tokens: torch.Tensor, target: torch.Tensor, p: _Params
+    w: torch.Tensor,
+    tokens: torch.Tensor,
+    target: torch.Tensor,
+    p: _Params,
+    native: cpu_ops.CpuOps | None = None,
 ) -> None:
     """Redraw, in place, the rows of ``tokens`` ``[R, 1]`` that fell outside the nucleus.
 
@@ -257,8 +274,10 @@ def _settle_nucleus(
     wp = w if pending.numel() == w.shape[0] else w[pending]
     for round_ in range(_MAX_REJECTION_ROUNDS + 1):
         pivot = wp.gather(1, tokens[pending])
-        # the weight above the pivot, scaled by it: `threshold` is far cheaper than `where`
-        heavier = F.threshold(wp / pivot, 1.0, 0.0).sum(dim=1, keepdim=True) * pivot
+        if native is not None:  # one pass, and exact (no division by the pivot)
+            heavier = native.sum_above(wp, pivot)
+        else:  # the weight above the pivot, scaled by it: `threshold` is far cheaper than `where`
+            heavier = F.threshold(wp / pivot, 1.0, 0.0).sum(dim=1, keepdim=True) * pivot
         rejected = (heavier >= target[pending]).squeeze(1)
         if not rejected.any():
             return

@@ -350,3 +350,38 @@ def test_build_is_cached_and_reports_a_missing_compiler(
         assert cpu_ops.load() is None  # turned off
     finally:
         cpu_ops.load.cache_clear()
+
+
+def test_softmax_t_is_torch_softmax_of_the_scaled_row_and_masks_exactly(
+    ops: cpu_ops.CpuOps,
+) -> None:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 49152, generator=gen) * 4
+    x[0, :100] = float("-inf")  # masked tokens
+    x[2, 17] = float("nan")
+    x[3, 5] = float("inf")
+    x[4] = float("-inf")
+    x[4, 9] = 3.0  # one token left
+    t = torch.tensor([0.7, 1.0, 1.3, 2.0, 0.5])
+    w = ops.softmax_t(x, t[:, None])
+    ref = torch.softmax(x.double() / t[:, None].double(), dim=1)
+    for r in (0, 1, 4):
+        torch.testing.assert_close(w[r].double(), ref[r], rtol=1e-5, atol=1e-12)
+    assert (w[0, :100] == 0).all()
+    assert w[2].isnan().all() and w[3].isnan().all()  # as torch's softmax
+    assert w[4, 9] == 1.0 and w[4].sum() == 1.0
+
+
+def test_sum_above_adds_the_weights_strictly_above_the_pivot(ops: cpu_ops.CpuOps) -> None:
+    gen = torch.Generator().manual_seed(8)
+    w = torch.softmax(torch.randn(6, 1000, generator=gen), dim=1)
+    pivot = w[:, 10:11].clone()
+    pivot[5] = float("nan")  # a NaN row: nothing is above its pivot
+    want = torch.where(w > pivot, w.double(), 0.0).sum(dim=1, keepdim=True)
+    torch.testing.assert_close(ops.sum_above(w, pivot).double(), want, rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="float32"):
+        ops.sum_above(w.double(), pivot)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.softmax_t(w.t(), pivot)
+    with pytest.raises(ValueError, match="6 float32"):
+        ops.softmax_t(w, pivot[:3])

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from hotpool.kernels import sampling_torch
 from hotpool.kernels.sampling import SamplingRow, sample
 from hotpool.kernels.sampling_reference import reference_probs
 
@@ -141,6 +142,16 @@ def check_case(name: str, backend: str, device: torch.device | str = "cpu") -> N
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_torch_path_draws_the_exact_distribution(name: str) -> None:
+    check_case(name, "torch")
+
+
+@pytest.mark.parametrize("name", ["T=1.7", "top_p=0.3", "min_p=0.2,T=1.4", "masked,top_p=0.9"])
+def test_torch_path_without_the_c_kernels_draws_the_exact_distribution(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the C kernels do not load (or off the CPU) the sampler's softmax and nucleus
+    check stay in torch."""
+    monkeypatch.setattr(sampling_torch, "_native", lambda x: None)
     check_case(name, "torch")
 
 
