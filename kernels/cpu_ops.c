@@ -247,12 +247,12 @@ static void decode_task_scalar(const decode_args *a, int64_t b, int64_t h) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define HP_AVX512_BF16 1
-#define SIMD_MAX_GROUP 16
-#define SIMD_MAX_DIM 256
+#define SIMD_MAX_GROUP 8
+#define SIMD_MAX_DIM 128
 
 /*
- * The AVX-512 BF16 task, for block sizes that are a multiple of 16 and head dims that are
- * a multiple of 32 (every Llama-family model). Keys go 16 at a time: vdpbf16ps multiplies
+ * The AVX-512 BF16 task, for block sizes that are a multiple of 16, head dims 64 and 128
+ * and up to 8 query heads per KV head (every model the engine runs). Keys go 16 at a time: vdpbf16ps multiplies
  * bfloat16 pairs exactly and sums in float32, leaving 16 partial sums per key; a tree of
  * blends and shuffles (15 steps for 16 keys, not 16 horizontal sums) turns the 16 vectors
  * into one vector of 16 scores. Softmax is online (running max and sum per query head), so
@@ -310,7 +310,8 @@ static inline __attribute__((always_inline)) void pv_accumulate(
     __m512 *acc, const float (*probs)[16], const bf16 *vb, int64_t n, const int64_t group,
     const int64_t dim) {
     const int64_t vecs = dim / 16;
-#pragma GCC unroll 16
+    /* Dims and heads unroll (the accumulators must be registers); keys need not. */
+#pragma GCC unroll 1
     for (int64_t i = 0; i < n; ++i)
 #pragma GCC unroll 16
         for (int64_t d = 0; d < vecs; ++d) {
@@ -400,11 +401,7 @@ static inline __attribute__((always_inline)) void decode_core(
                     acc[g * vecs + d] = _mm512_mul_ps(acc[g * vecs + d], av);
             }
         }
-        /* A full chunk's loop unrolls; only a sequence's last chunk can be partial. */
-        if (n == 16)
-            pv_accumulate(acc, probs, vb, 16, group, dim);
-        else
-            pv_accumulate(acc, probs, vb, n, group, dim);
+        pv_accumulate(acc, probs, vb, n, group, dim);
     }
 #pragma GCC unroll 16
     for (int64_t g = 0; g < group; ++g) {
@@ -422,23 +419,25 @@ typedef void (*decode_fn)(const decode_args *, int64_t, int64_t);
     static void decode_##G##_##D(const decode_args *a, int64_t b, int64_t h) {    \
         decode_core(a, b, h, G, D);                                               \
     }
-DECODE_FIXED(1, 64) DECODE_FIXED(2, 64) DECODE_FIXED(3, 64) DECODE_FIXED(4, 64)
-DECODE_FIXED(5, 64) DECODE_FIXED(6, 64) DECODE_FIXED(7, 64) DECODE_FIXED(8, 64)
-DECODE_FIXED(1, 128) DECODE_FIXED(2, 128) DECODE_FIXED(3, 128) DECODE_FIXED(4, 128)
+#define DECODE_GROUPS(D)                                                          \
+    DECODE_FIXED(1, D) DECODE_FIXED(2, D) DECODE_FIXED(3, D) DECODE_FIXED(4, D)   \
+    DECODE_FIXED(5, D) DECODE_FIXED(6, D) DECODE_FIXED(7, D) DECODE_FIXED(8, D)
+DECODE_GROUPS(64)
+DECODE_GROUPS(128)
 
-/* Any other shape (group <= SIMD_MAX_GROUP, dim <= SIMD_MAX_DIM): the same code, sizes
- * known only at run time. */
-static void decode_any(const decode_args *a, int64_t b, int64_t h) {
-    decode_core(a, b, h, a->q_heads / a->kv_heads, a->dim);
-}
-
+/* The vector kernel for a (group, head dim), or NULL: every Llama-family model this engine
+ * runs has head dim 64 or 128 and at most 8 query heads per KV head. Other shapes take the
+ * portable task (a run-time-sized vector kernel cost ~8 s of compile time for shapes no
+ * supported model has). */
 static decode_fn decode_simd_for(int64_t group, int64_t dim) {
     static const decode_fn d64[8] = {decode_1_64, decode_2_64, decode_3_64, decode_4_64,
                                      decode_5_64, decode_6_64, decode_7_64, decode_8_64};
-    static const decode_fn d128[4] = {decode_1_128, decode_2_128, decode_3_128, decode_4_128};
-    if (dim == 64 && group >= 1 && group <= 8) return d64[group - 1];
-    if (dim == 128 && group >= 1 && group <= 4) return d128[group - 1];
-    return decode_any;
+    static const decode_fn d128[8] = {decode_1_128, decode_2_128, decode_3_128, decode_4_128,
+                                      decode_5_128, decode_6_128, decode_7_128, decode_8_128};
+    if (group < 1 || group > 8) return NULL;
+    if (dim == 64) return d64[group - 1];
+    if (dim == 128) return d128[group - 1];
+    return NULL;
 }
 #endif
 
@@ -448,23 +447,19 @@ void hp_paged_decode(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const
                      int64_t q_heads, int64_t kv_heads, int64_t dim, float scale) {
     decode_args a = {q,        q_stride, k_cache, v_cache, num_blocks, block_size, tables,
                      table_width, seq_lens, out, q_heads, kv_heads, dim, scale};
-    int simd = 0;
 #ifdef HP_AVX512_BF16
-    simd = block_size % 16 == 0 && dim % 32 == 0 && dim <= SIMD_MAX_DIM &&
-           q_heads / kv_heads <= SIMD_MAX_GROUP;
-    decode_fn task_fn = simd ? decode_simd_for(q_heads / kv_heads, dim) : decode_any;
+    decode_fn simd = block_size % 16 == 0 ? decode_simd_for(q_heads / kv_heads, dim) : NULL;
 #endif
 #pragma omp parallel for schedule(dynamic, 1) if (batch * kv_heads > 1)
     for (int64_t task = 0; task < batch * kv_heads; ++task) {
 #ifdef HP_AVX512_BF16
         if (simd) {
-            task_fn(&a, task / kv_heads, task % kv_heads);
+            simd(&a, task / kv_heads, task % kv_heads);
             continue;
         }
 #endif
         decode_task_scalar(&a, task / kv_heads, task % kv_heads);
     }
-    (void)simd;
 }
 
 /* Whether this build has the AVX-512 BF16 paths: hp_paged_decode's and hp_linear's. */

@@ -2,7 +2,7 @@
 
 The C source is compiled once per machine with the system compiler (``$CC``, else ``cc``)
 for the host CPU (``-march=native``) into a cache folder keyed by the source, the flags and
-the CPU, then loaded with ctypes: a build takes about a second and later loads are instant.
+the CPU, then loaded with ctypes: a build takes a few seconds and later loads are instant.
 Plain C rather than a torch extension: no torch headers, so the build is fast and needs
 nothing but a C compiler. Where there is none, or the build fails, :func:`load` returns
 None (and logs why once) and callers keep the torch implementations, which compute the
@@ -119,7 +119,8 @@ class CpuOps:
         lib.hp_avx512_bf16.restype = ctypes.c_int
         self._lib = lib
         # Whether the AVX-512 BF16 paths are built (where -march=native has them): paged
-        # decode's for block sizes in 16s and head dims in 32s, and the linear kernel.
+        # decode's for block sizes in 16s, head dims 64 and 128 and groups up to 8, and the
+        # linear kernel.
         self.avx512_bf16 = bool(lib.hp_avx512_bf16())
 
     def add_rms_norm(
