@@ -16,9 +16,9 @@ Why each part (numbers from the 2-core dev VM, SmolLM2-135M, B=32):
   does the host): left to ``write_kv``, that cost ~100 ms of each 2,048-token prefill step
   and ~2 ms of each decode step until the cache had been used once. ``MADV_POPULATE_WRITE``
   (Linux 5.14+) faults pages in without changing their contents, so a daemon thread can do
-  it while the replica already serves; it holds no GIL (ctypes releases it) and stops when
-  the cache is dropped. Populating 1 GiB takes 0.1-2 s of one core here. Older kernels
-  keep the lazy faults.
+  it while the replica already serves; it runs at the lowest priority, holds no GIL (ctypes
+  releases it) and stops when the cache is dropped. Populating 1 GiB takes 0.1-2 s of one
+  core here. Older kernels keep the lazy faults.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import ctypes
 import logging
 import math
 import mmap
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -66,6 +67,10 @@ def populate_in_background(t: torch.Tensor) -> threading.Event:
     del t  # the thread must not keep the cache alive
 
     def run() -> None:
+        # Lowest priority (Linux takes a thread id here): on a busy replica the serving
+        # threads come first, and pages fault on first use as before.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             madvise = _libc_madvise()
             offset = 0
