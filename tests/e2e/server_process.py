@@ -101,9 +101,6 @@ def running_server(
         "HOTPOOL_HOME": str(home),
         "HOTPOOL_PORT": str(port),
         "HOTPOOL_DEVICE": "cpu",
-        # The tests' contexts fit in far less than the 1 GiB default; each replica load would
-        # otherwise populate 1 GiB in the background (~20 s of CPU over the e2e tests).
-        "HOTPOOL_KV_CACHE_BYTES": "64m",
         **env,
     }
     args = [a for spec in deploy for a in ("--deploy", spec)]
