@@ -271,14 +271,15 @@ def test_busy_deployment_cannot_starve_another(one_worker: Server) -> None:
     stop = threading.Event()
     statuses: list[int] = []
 
-    def hammer() -> None:  # back-to-back requests: "busy" never goes idle by itself
+    def hammer(max_tokens: int) -> None:  # back-to-back requests: "busy" never goes idle
         while not stop.is_set():
-            statuses.append(complete(one_worker, "busy", max_tokens=24).status_code)
+            statuses.append(complete(one_worker, "busy", max_tokens=max_tokens).status_code)
 
     # Two overlapping hammers: with one, the moment between its requests leaves "busy" idle
     # for a few milliseconds, and a plain LRU eviction (not the preemption tested here) can
-    # land in it.
-    threads = [threading.Thread(target=hammer) for _ in range(2)]
+    # land in it. Their lengths differ: batched together, two requests of one length finish
+    # on the same engine step, and both hammers would sit between requests at once.
+    threads = [threading.Thread(target=hammer, args=(n,)) for n in (24, 37)]
     threads[0].start()
     one_worker.wait_for("busy to serve", lambda: bool(statuses), 60)
     threads[1].start()
