@@ -320,8 +320,8 @@ class Paths:
                     if not line.startswith("data: "):
                         continue
                     if line == "data: [DONE]":
-                        done = True
-                        break
+                        done = True  # read on to the end of the body, as the openai client
+                        continue  # does: a response left unread loses its connection
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         s.error = str(chunk["error"].get("message"))

@@ -14,12 +14,13 @@ The answer holds each choice's text and token ids; streamed, it is newline-delim
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hotpool.platform.auth import authorize, caller, owned
@@ -30,6 +31,7 @@ from hotpool.platform.logprobs import native_logprobs
 from hotpool.platform.openai_routes import usage_json
 from hotpool.platform.schemas import Body, CompletionCall, parse_messages, sampling_params
 from hotpool.platform.services import Services, read_json
+from hotpool.streaming import ChunkStream, Last
 from hotpool.worker.protocol import GenerateEvent, Usage
 
 INVOKE_FIELDS = {"prompt", "messages", "params", "stream"}
@@ -81,10 +83,8 @@ async def invoke(request: Request) -> Response:
     headers = version_header(served)
     want_logprobs = call.params.logprobs is not None
     if call.stream:
-        return StreamingResponse(
-            _ndjson(call.params.n, want_logprobs, first, events),
-            media_type="application/x-ndjson",
-            headers=headers,
+        return ChunkStream(
+            _ndjson(call.params.n, want_logprobs, first, events), "application/x-ndjson", headers
         )
     collected = await collect_choices(call.params.n, first, events)
     outputs = []
@@ -112,38 +112,47 @@ async def invoke(request: Request) -> Response:
 
 async def _ndjson(
     n: int, want_logprobs: bool, first: GenerateEvent, events: AsyncIterator[GenerateEvent]
-) -> AsyncIterator[str]:
-    def line(obj: dict[str, Any]) -> str:
-        return json.dumps(obj) + "\n"
+) -> AsyncIterator[bytes]:
+    """One line per event with text; the usage line ends the response as soon as every
+    choice has finished (the worker's end of stream and the accounting run after it)."""
+
+    def line(obj: dict[str, Any]) -> bytes:
+        return (json.dumps(obj) + "\n").encode()
 
     event: GenerateEvent | None = first
     usage = Usage()
     finishes: list[str | None] = [None] * n
     try:
-        while event is not None:
-            usage = event.usage or usage
-            if event.finish_reason == "error":
-                error = APIError(502, f"generation failed: {event.error}", type="api_error")
-                yield line(error.body())
-                return
-            if event.text or event.token_ids:
-                delta: dict[str, Any] = {
-                    "index": event.index,
-                    "text": event.text,
-                    "token_ids": list(event.token_ids),
-                }
-                if want_logprobs:
-                    delta["logprobs"] = native_logprobs(event.logprobs)
-                yield line(delta)
-            if event.finish_reason is not None and 0 <= event.index < n:
-                finishes[event.index] = event.finish_reason
-            event = await anext(events, None)
-    except APIError as exc:  # the stream has started: report in band
-        yield line({"error": exc.body()["error"]})
-        return
+        try:
+            while event is not None:
+                usage = event.usage or usage
+                if event.finish_reason == "error":
+                    error = APIError(502, f"generation failed: {event.error}", type="api_error")
+                    yield Last(line(error.body()))
+                    return
+                if event.text or event.token_ids:
+                    delta: dict[str, Any] = {
+                        "index": event.index,
+                        "text": event.text,
+                        "token_ids": list(event.token_ids),
+                    }
+                    if want_logprobs:
+                        delta["logprobs"] = native_logprobs(event.logprobs)
+                    yield line(delta)
+                if event.finish_reason is not None and 0 <= event.index < n:
+                    finishes[event.index] = event.finish_reason
+                    if None not in finishes:
+                        break  # every choice is done: the usage line ends the response
+                event = await anext(events, None)
+        except APIError as exc:  # the stream has started: report in band
+            yield Last(line({"error": exc.body()["error"]}))
+            return
+        yield Last(line({"usage": usage_json(usage), "finish_reasons": finishes}))
+        with contextlib.suppress(APIError):  # the client has it all; the worker's end, then
+            async for _ in events:  # the invoker's accounting (nothing more is expected)
+                pass
     finally:
         await events.aclose()
-    yield line({"usage": usage_json(usage), "finish_reasons": finishes})
 
 
 routes = [Route("/v1/deployments/{name}/invoke", invoke, methods=["POST"])]

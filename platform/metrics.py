@@ -214,6 +214,7 @@ class Metrics:
             buckets=INTER_TOKEN_BUCKETS,
             registry=r,
         )
+        self._inter_token: dict[str, Histogram] = {}  # its children, by deployment
         self.queue = Histogram(
             "hotpool_queue_seconds",
             "Time waiting for a replica",
@@ -260,7 +261,9 @@ class Metrics:
 
         Each gets an equal share, so the histogram's sum is the decode time and its count
         the tokens after each choice's first: sum / count is the mean inter-token latency."""
-        child = self.inter_token.labels(deployment)
+        child = self._inter_token.get(deployment)
+        if child is None:  # labels() costs more than the observation, once per token
+            child = self._inter_token[deployment] = self.inter_token.labels(deployment)
         for _ in range(tokens):
             child.observe(seconds / tokens)
 

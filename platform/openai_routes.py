@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hotpool.billing.deployments import DeploymentSpec
@@ -19,7 +20,10 @@ from hotpool.platform.invoke import Served, version_header
 from hotpool.platform.logprobs import CompletionLogprobs, chat_logprobs
 from hotpool.platform.schemas import CompletionCall, parse_chat, parse_completion
 from hotpool.platform.services import Services, read_json
+from hotpool.streaming import ChunkStream, Last
 from hotpool.worker.protocol import GenerateEvent, PositionLogprobs, Usage
+
+SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
 
 
 def usage_json(u: Usage) -> dict[str, Any]:
@@ -113,9 +117,7 @@ async def _complete(request: Request, principal: Principal, call: CompletionCall
     shape = _Shape(call, request_id)
     headers = version_header(served)
     if call.stream:
-        return StreamingResponse(
-            _sse(shape, call, first, events), media_type="text/event-stream", headers=headers
-        )
+        return ChunkStream(_sse(shape, call, first, events), SSE_MEDIA_TYPE, headers)
     return JSONResponse(await _collect(shape, first, events), headers=headers)
 
 
@@ -136,7 +138,11 @@ async def _collect(
 
 async def _sse(
     shape: _Shape, call: CompletionCall, first: GenerateEvent, events: AsyncIterator[GenerateEvent]
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
+    """The SSE body: one chunk per worker event (one write); the stream ends with the event
+    that finishes the last choice, before the worker's stream closes and the request is
+    accounted for (both run after the client has everything)."""
+
     def data(obj: dict[str, Any]) -> str:
         if call.include_usage:
             obj.setdefault("usage", None)  # OpenAI: null on every chunk but the last
@@ -147,34 +153,48 @@ async def _sse(
 
     event: GenerateEvent | None = first
     started: set[int] = set()  # choices whose first chunk (with the role) is out
+    finished: set[int] = set()
     usage = Usage()
+    out: list[str] = []  # the current event's SSE text
     try:
-        while event is not None:
-            if event.usage is not None:
-                usage = event.usage
-            if event.finish_reason == "error":
-                yield data(
-                    {"error": APIError(502, f"generation failed: {event.error}").body()["error"]}
-                )
-                break
-            i = event.index
-            if event.text or event.logprobs or i not in started:
-                yield chunk(shape.choice(i, event.text, None, event.logprobs, i not in started))
-                started.add(i)
-            finish = _finish(event.finish_reason)
-            if finish is not None:
-                yield chunk(shape.choice(i, "", finish))
-            event = await anext(events, None)
-    except APIError as exc:  # the stream has started: report in band
-        yield data({"error": exc.body()["error"]})
-    else:
-        if call.include_usage:
-            final = shape.envelope([], chunk=True)
-            final["usage"] = usage_json(usage)
-            yield f"data: {json.dumps(final)}\n\n"
+        try:
+            while event is not None:
+                if event.usage is not None:
+                    usage = event.usage
+                if event.finish_reason == "error":
+                    error = APIError(502, f"generation failed: {event.error}")
+                    out.append(data({"error": error.body()["error"]}))
+                    break
+                i = event.index
+                if event.text or event.logprobs or i not in started:
+                    out.append(
+                        chunk(shape.choice(i, event.text, None, event.logprobs, i not in started))
+                    )
+                    started.add(i)
+                finish = _finish(event.finish_reason)
+                if finish is not None:
+                    out.append(chunk(shape.choice(i, "", finish)))
+                    if 0 <= i < shape.n:
+                        finished.add(i)
+                    if len(finished) == shape.n:
+                        break  # every choice is done: this event ends the response
+                if out:
+                    yield "".join(out).encode()
+                    out.clear()
+                event = await anext(events, None)
+            if call.include_usage:
+                final = shape.envelope([], chunk=True)
+                final["usage"] = usage_json(usage)
+                out.append(f"data: {json.dumps(final)}\n\n")
+        except APIError as exc:  # the stream has started: report in band
+            out.append(data({"error": exc.body()["error"]}))
+        out.append("data: [DONE]\n\n")
+        yield Last("".join(out).encode())
+        with contextlib.suppress(APIError):  # the client has it all; the worker's end, then
+            async for _ in events:  # the invoker's accounting (nothing more is expected)
+                pass
     finally:
         await events.aclose()
-    yield "data: [DONE]\n\n"
 
 
 def model_json(spec: DeploymentSpec) -> dict[str, Any]:

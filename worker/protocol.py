@@ -8,7 +8,7 @@ carries its ``finish_reason``, and the stream's last event the request's exact `
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -81,6 +81,9 @@ class SamplingParams:
         )
 
 
+_PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     """One generation. Exactly one of ``prompt`` and ``messages`` is set; the worker owns
@@ -92,7 +95,18 @@ class GenerateRequest:
     messages: tuple[ChatMessage, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # By hand: dataclasses.asdict deep-copies every field and costs ~10x this, once per
+        # request on the control plane's hot path. The params are flat (ints, floats,
+        # strings and tuples of them), so a shallow dict of them is already JSON-ready.
+        messages = self.messages
+        return {
+            "request_id": self.request_id,
+            "params": {name: getattr(self.params, name) for name in _PARAM_FIELDS},
+            "prompt": self.prompt,
+            "messages": None
+            if messages is None
+            else [{"role": m.role, "content": m.content} for m in messages],
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GenerateRequest:
@@ -130,6 +144,14 @@ class TokenLogprob:
     def from_json(cls, data: dict[str, Any]) -> TokenLogprob:
         return cls(data["token_id"], data["token"], data["logprob"], tuple(data["utf8"]))
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "token_id": self.token_id,
+            "token": self.token,
+            "logprob": self.logprob,
+            "utf8": list(self.utf8),
+        }
+
 
 @dataclass(frozen=True)
 class PositionLogprobs:
@@ -144,6 +166,9 @@ class PositionLogprobs:
             TokenLogprob.from_json(data["sampled"]),
             tuple(TokenLogprob.from_json(t) for t in data.get("top") or ()),
         )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sampled": self.sampled.to_json(), "top": [t.to_json() for t in self.top]}
 
 
 @dataclass(frozen=True)
@@ -166,7 +191,23 @@ class GenerateEvent:
     logprobs: tuple[PositionLogprobs, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # By hand, as GenerateRequest's: one of these per token on the worker.
+        u = self.usage
+        return {
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "usage": None
+            if u is None
+            else {
+                "prompt_tokens": u.prompt_tokens,
+                "completion_tokens": u.completion_tokens,
+                "cached_tokens": u.cached_tokens,
+            },
+            "error": self.error,
+            "index": self.index,
+            "logprobs": [p.to_json() for p in self.logprobs],
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GenerateEvent:

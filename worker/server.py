@@ -17,10 +17,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from hotpool.streaming import ChunkStream
 from hotpool.worker.engine.base import RequestRejected
 from hotpool.worker.models.loader import ModelLoadError
 from hotpool.worker.protocol import GenerateEvent, GenerateRequest, LoadRequest
@@ -178,7 +179,7 @@ def build_worker_app(service: WorkerService, token: str, worker_id: str) -> ASGI
             return _error(409, str(exc), "not_loaded")
         except (RequestRejected, TemplateError) as exc:
             return _error(400, str(exc))
-        return StreamingResponse(_ndjson(first, events, metrics), media_type="application/x-ndjson")
+        return ChunkStream(_ndjson(first, events, metrics), "application/x-ndjson")
 
     async def prom(_: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,118 @@
+"""A lean ASGI streaming response for the token streams (SSE to clients, NDJSON to the
+control plane).
+
+Every generated token crosses one of these per hop, so what it costs per request and per
+chunk is latency the user sees. Starlette's ``StreamingResponse`` spends ~0.1 ms per
+response on an anyio task group (one task streams, one waits for the disconnect; uvicorn
+reports ASGI 2.3, so Starlette cannot rely on a failing ``send`` instead) and, because its
+last message is an empty one sent after the iterator is exhausted, the end of the stream
+waits for whatever cleanup the iterator does after its last chunk.
+
+:class:`ChunkStream` streams in the handler's own task. One small task waits for the
+client's ``http.disconnect`` and cancels the stream if it comes first; that cancellation is
+this response's own (uncancelled and swallowed here), so the iterator is closed exactly as
+Starlette would close it and nothing is logged as an error. A chunk wrapped in
+:class:`Last` goes out with ``more_body: False`` in the same ``send`` (one write for the
+final data and the chunked terminator), and the iterator's remainder then runs with the
+client already served: a relay drains its upstream there, a meter writes its record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+
+from starlette.types import Receive, Scope, Send
+
+
+class Last(bytes):
+    """The final chunk of a stream: sent with the end of the response, in one write."""
+
+    __slots__ = ()
+
+
+class ChunkStream:
+    """``200`` (or ``status_code``) with ``chunks`` as the body, as they come.
+
+    ``chunks`` yields ``bytes``; a :class:`Last` ends the response at once (anything the
+    iterator yields after it is dropped, but it runs to its end). Without a ``Last`` the
+    response ends when the iterator does.
+    """
+
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        media_type: str,
+        headers: Mapping[str, str] | None = None,
+        status_code: int = 200,
+    ) -> None:
+        self.chunks = chunks
+        self.status_code = status_code
+        self.raw_headers = [(b"content-type", media_type.encode("latin-1"))]
+        if headers:
+            self.raw_headers += [
+                (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()
+            ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        state = _State()
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        watcher.add_done_callback(lambda w: state.client_gone(w, task))
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            await self._stream(send, state)
+        except asyncio.CancelledError:
+            if not state.cancelled:
+                raise  # not ours (the server is stopping): let it through
+            task.uncancel()  # ours: the client went away, and the stream has been closed
+        finally:
+            state.streaming = False
+            watcher.cancel()
+
+    async def _stream(self, send: Send, state: _State) -> None:
+        chunks = self.chunks
+        ended = False
+        try:
+            async for chunk in chunks:
+                if ended:
+                    continue  # the client has everything: the rest is the iterator's cleanup
+                last = isinstance(chunk, Last)
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if last:
+                    ended = True
+                    state.streaming = False  # the end is out: a disconnect now is no news
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            aclose = getattr(chunks, "aclose", None)  # an async generator's: run its cleanup now
+            if aclose is not None:
+                await aclose()
+
+
+class _State:
+    __slots__ = ("cancelled", "streaming")
+
+    def __init__(self) -> None:
+        self.streaming = True  # a disconnect now should stop the stream
+        self.cancelled = False  # this response cancelled its own task
+
+    def client_gone(self, watcher: asyncio.Future[None], task: asyncio.Task[object]) -> None:
+        if watcher.cancelled() or watcher.exception() is not None or not self.streaming:
+            return
+        self.cancelled = True
+        task.cancel()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    # The request body has been read by the time a stream starts; what comes next is the
+    # disconnect (uvicorn also answers it once the response is complete).
+    while (await receive())["type"] != "http.disconnect":
+        pass
