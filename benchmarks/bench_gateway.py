@@ -253,6 +253,48 @@ def worker_address(home: Path, worker_id: str, timeout_s: float = 30) -> str:
     return found[-1].rstrip("/")
 
 
+# --- CPU accounting ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """CPU seconds so far of the control plane, the worker and this client, and of the whole
+    machine (busy, total), from /proc (NaN where it cannot be read)."""
+
+    control_plane: float
+    worker: float
+    client: float
+    busy: float
+    total: float
+
+    def since(self, before: CpuSnapshot) -> dict[str, float]:
+        return {
+            "control_plane_s": self.control_plane - before.control_plane,
+            "worker_s": self.worker - before.worker,
+            "client_s": self.client - before.client,
+            "machine_busy_share": (self.busy - before.busy) / max(self.total - before.total, 1e-9),
+        }
+
+
+def _process_cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def cpu_snapshot(cp_pid: int, worker_pid: int) -> CpuSnapshot:
+    try:
+        jiffies = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = jiffies[3] + jiffies[4]  # idle + iowait
+        busy, total = float(sum(jiffies) - idle), float(sum(jiffies))
+    except (OSError, ValueError, IndexError):
+        busy = total = math.nan
+    client = sum(os.times()[:2])  # this process: the benchmark's client
+    return CpuSnapshot(_process_cpu_s(cp_pid), _process_cpu_s(worker_pid), client, busy, total)
+
+
 # --- requests ------------------------------------------------------------------------------
 
 
@@ -458,7 +500,8 @@ def run_phase(name: str, uri: str, args: argparse.Namespace) -> dict[str, Any]:
         print(f"[{name}] replica {ready[0]['id']} ready on worker {ready[0]['worker_id']} "
               f"(pid {ready[0]['pid']}) at {address}", flush=True)  # fmt: skip
         probe = probe_auth(srv) if auth else {}
-        results = asyncio.run(drive(srv, address, headers, name, args))
+        pids = (srv.proc.pid, int(ready[0]["pid"]))
+        results, cpu = asyncio.run(drive(srv, address, headers, name, args, pids))
         ids = {s.request_id for c in results.values() for s in c["gateway"] if s.request_id}
         rows: dict[str, UsageRecord] = {}
 
@@ -468,12 +511,18 @@ def run_phase(name: str, uri: str, args: argparse.Namespace) -> dict[str, Any]:
 
         with contextlib.suppress(TimeoutError):  # written off the request path
             wait_for("ledger rows", all_rows, 15)
-    return summarize(name, results, rows, probe, args)
+    return summarize(name, results, rows, probe, cpu, args)
 
 
 async def drive(
-    srv: Server, address: str, headers: dict[str, str], name: str, args: argparse.Namespace
-) -> dict[int, dict[str, list[Sample]]]:
+    srv: Server,
+    address: str,
+    headers: dict[str, str],
+    name: str,
+    args: argparse.Namespace,
+    pids: tuple[int, int],
+) -> tuple[dict[int, dict[str, list[Sample]]], dict[int, dict[str, float]]]:
+    """The samples per concurrency and path, and the CPU each process used per phase."""
     paths = Paths(srv.url, address, headers, args.max_tokens, args.request_timeout)
     try:
         print(f"[{name}] warming up both paths", flush=True)
@@ -482,13 +531,14 @@ async def drive(
             bad = [s.error for v in warm.values() for s in v if s.error]
             if bad:
                 raise RuntimeError(f"warm-up requests failed: {sorted(set(bad))[:3]}")
-        results = {}
+        results, cpu = {}, {}
         for c, batches in ((1, args.requests), (args.concurrency, args.rounds)):
-            t = time.perf_counter()
+            t, before = time.perf_counter(), cpu_snapshot(*pids)
             results[c] = await measure(paths, c, batches)
+            cpu[c] = cpu_snapshot(*pids).since(before)
             print(f"[{name}] c={c}: {2 * c * batches} requests in "
                   f"{time.perf_counter() - t:.1f}s", flush=True)  # fmt: skip
-        return results
+        return results, cpu
     finally:
         await paths.close()
 
@@ -498,11 +548,12 @@ def summarize(
     results: dict[int, dict[str, list[Sample]]],
     rows: dict[str, UsageRecord],
     probe: dict[str, int],
+    cpu: dict[int, dict[str, float]],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"phase": name, "auth_probe": probe, "by_concurrency": {}}
     for c, by_path in results.items():
-        entry: dict[str, Any] = {"failed": 0, "failures": []}
+        entry: dict[str, Any] = {"failed": 0, "failures": [], "cpu": cpu[c]}
         for path, samples in by_path.items():
             ok = [s for s in samples if s.error is None]
             bad = [s for s in samples if s.error is not None]
@@ -600,6 +651,15 @@ def report(phases: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 f"{e['gateway']['burst_share']:.0%}; first text to end p50: direct "
                 f"{fmt(e['direct']['stream_span_p50_ms'])} ms, gateway "
                 f"{fmt(e['gateway']['stream_span_p50_ms'])} ms"
+            )
+            cpu, n = e["cpu"], e["gateway"]["requests"]
+            print(
+                f"{p['phase']} c={c}: CPU over the phase (both paths): control plane "
+                f"{cpu['control_plane_s']:.2f} s ({cpu['control_plane_s'] / n * 1e3:.2f} ms "
+                f"per gateway request), worker {cpu['worker_s']:.2f} s, client "
+                f"{cpu['client_s']:.2f} s; the machine was busy "
+                f"{cpu['machine_busy_share']:.0%} of the time (near 100%: the control plane's "
+                "CPU is taken from the worker and the client, and shows as added latency)"
             )
             if e["failed"]:
                 print(f"{p['phase']} c={c}: FAILED requests: {e['failures']}")

@@ -55,6 +55,7 @@ class LedgerWriter:
         spool_dir: Path | None = None,
         *,
         batch_size: int = 256,
+        linger_s: float = 0.2,
         every_tokens: int = 16,
         db_timeout_s: float = 10.0,
         sync_interval_s: float = 0.2,
@@ -62,6 +63,7 @@ class LedgerWriter:
     ) -> None:
         self.ledger = ledger
         self.batch_size = batch_size
+        self.linger_s = linger_s
         self.db_timeout_s = db_timeout_s
         self.sync_interval_s = sync_interval_s
         self.max_backoff_s = max_backoff_s
@@ -70,6 +72,8 @@ class LedgerWriter:
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
+        self._wake = asyncio.Event()  # ends a linger early: a full batch, or a flush
+        self._flushing = 0  # flush() calls waiting: no lingering meanwhile
         self._replay_lock = asyncio.Lock()
         self._db_ok = True  # False from a failed insert until one succeeds
         self._hung: set[asyncio.Future[int]] = set()  # inserts that timed out and still run
@@ -123,12 +127,19 @@ class LedgerWriter:
         if self.journal is not None:
             self.journal.end(record, now)
         self._queue.put_nowait((record, now))
+        if self._queue.qsize() >= self.batch_size:
+            self._wake.set()
 
     # -- lifecycle -------------------------------------------------------------------
 
     async def flush(self) -> None:
         """Wait until every submitted record is in the database or the spool."""
-        await self._queue.join()
+        self._flushing += 1
+        self._wake.set()
+        try:
+            await self._queue.join()
+        finally:
+            self._flushing -= 1
 
     async def replay(self) -> bool:
         """Move the spool into the database now; True when nothing is left in it."""
@@ -186,6 +197,7 @@ class LedgerWriter:
     async def _run(self) -> None:
         while True:
             batch = [await self._queue.get()]
+            await self._linger()
             while len(batch) < self.batch_size and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             try:
@@ -193,6 +205,18 @@ class LedgerWriter:
             finally:
                 for _ in batch:
                     self._queue.task_done()
+
+    async def _linger(self) -> None:
+        # A transaction per record costs the control plane milliseconds of CPU (SQLAlchemy,
+        # the price lookup, the commit), taken from the event loop that relays tokens: at
+        # one request at a time that was most of its CPU. Waiting a moment for more records
+        # makes one transaction of many. Nothing is at risk meanwhile: with a spool the
+        # in-flight journal holds the record, and without one it was only in memory anyway.
+        if self.linger_s <= 0 or self._flushing or self._queue.qsize() + 1 >= self.batch_size:
+            return
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), self.linger_s)
 
     async def _store(self, batch: list[_Item]) -> None:
         try_db, delay = self._db_ok or self.spool is None, 0.1

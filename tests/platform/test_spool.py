@@ -368,3 +368,43 @@ def test_the_spool_folder_and_journal_step_are_settings(tmp_path: Path) -> None:
     assert (s.ledger_spool_dir, s.inflight_every_tokens) == (home / "s", 4)
     with pytest.raises(SettingsError, match="HOTPOOL_INFLIGHT_EVERY_TOKENS"):
         load_settings({"HOTPOOL_HOME": str(home), "HOTPOOL_INFLIGHT_EVERY_TOKENS": "0"})
+
+
+def test_records_that_trickle_in_share_a_transaction_and_flush_does_not_wait(
+    tmp_path: Path, db: Database
+) -> None:
+    """One request at a time, each record would be its own transaction (milliseconds of
+    the control plane's CPU); the writer lingers a moment and writes them together."""
+    ledger = FlakyLedger(db)
+
+    async def scenario() -> tuple[int, float]:
+        writer = LedgerWriter(ledger, tmp_path / "spool", linger_s=0.5)
+        await writer.start()
+        for i in range(10):  # one record every 10 ms, as requests finish one by one
+            writer.submit(_rec(f"req-{i}"))
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        await writer.flush()  # cuts the linger short
+        took = time.monotonic() - t0
+        await writer.close()
+        return ledger.calls, took
+
+    calls, flush_s = asyncio.run(scenario())
+    assert _rows(db) == {f"req-{i}": 1 for i in range(10)}
+    assert calls == 1  # ten records, one transaction
+    assert flush_s < 0.4
+
+
+def test_a_full_batch_is_written_without_lingering(tmp_path: Path, db: Database) -> None:
+    ledger = FlakyLedger(db)
+
+    async def scenario() -> None:
+        writer = LedgerWriter(ledger, None, batch_size=5, linger_s=30.0)
+        await writer.start()
+        for i in range(5):
+            writer.submit(_rec(f"req-{i}"))
+        await _until(lambda: ledger.calls == 1, timeout_s=5.0)  # long before the 30 s
+        await writer.close()
+
+    asyncio.run(scenario())
+    assert _rows(db) == {f"req-{i}": 1 for i in range(5)}
