@@ -712,6 +712,8 @@ void hp_gate_up(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t
 /* w = softmax(x / t) per row, as exp((x - max) * (1 / t)) / sum. exp flushes arguments
  * below -87.3 to 0, so masked (-inf) logits weigh exactly 0; a row holding NaN or +inf
  * comes out NaN throughout, as torch's softmax does. */
+#define SUM_BLOCK 1024 /* terms of one float partial sum in the row sums below */
+
 void hp_softmax_t(const float *x, int64_t rows, int64_t v, const float *temperature, float *w) {
 #pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; ++r) {
@@ -724,15 +726,24 @@ void hp_softmax_t(const float *x, int64_t rows, int64_t v, const float *temperat
             m = xr[j] > m ? xr[j] : m;
             nan |= xr[j] != xr[j];
         }
-        float inv_t = 1.0f / temperature[r], sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < v; ++j) {
-            float z = (xr[j] - m) * inv_t;
-            float e = z < -87.3f ? 0.0f : exp_f32(z);
-            wr[j] = e;
-            sum += e;
+        /* The normaliser: float sums of SUM_BLOCK terms (vectorised), added up in double.
+           One float sum over a vocabulary's 10^5 terms drifts by ~1e-5 (relative) with the
+           summation order, which the vector width decides. */
+        float inv_t = 1.0f / temperature[r];
+        double sum = 0.0;
+        for (int64_t j0 = 0; j0 < v; j0 += SUM_BLOCK) {
+            int64_t j1 = j0 + SUM_BLOCK < v ? j0 + SUM_BLOCK : v;
+            float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+            for (int64_t j = j0; j < j1; ++j) {
+                float z = (xr[j] - m) * inv_t;
+                float e = z < -87.3f ? 0.0f : exp_f32(z);
+                wr[j] = e;
+                part += e;
+            }
+            sum += part;
         }
-        float inv = nan ? NAN : 1.0f / sum;
+        float inv = nan ? NAN : (float)(1.0 / sum);
 #pragma omp simd
         for (int64_t j = 0; j < v; ++j) wr[j] *= inv;
     }
@@ -743,9 +754,15 @@ void hp_sum_above(const float *w, int64_t rows, int64_t v, const float *pivot, f
 #pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; ++r) {
         const float *wr = w + r * v;
-        float p = pivot[r], sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < v; ++j) sum += wr[j] > p ? wr[j] : 0.0f;
-        out[r] = sum;
+        float p = pivot[r];
+        double sum = 0.0; /* blocks of float sums, as hp_softmax_t's normaliser */
+        for (int64_t j0 = 0; j0 < v; j0 += SUM_BLOCK) {
+            int64_t j1 = j0 + SUM_BLOCK < v ? j0 + SUM_BLOCK : v;
+            float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+            for (int64_t j = j0; j < j1; ++j) part += wr[j] > p ? wr[j] : 0.0f;
+            sum += part;
+        }
+        out[r] = (float)sum;
     }
 }
