@@ -32,9 +32,15 @@ JSON, SSE) and what happens inside it (the replica lease, the relay). The share 
 that arrived in one burst (every token within 1 ms) shows a stream held up on the way and
 flushed at once (Nagle's algorithm against a delayed ACK looks like this: ~40 ms stalls).
 
+The client reads every stream to its end (the chunked terminator), as the ``openai`` client
+does: a response left unread would cost its keep-alive connection.
+
 The client, the control plane and the worker share the machine's cores; on a small box the
 control plane's CPU time competes with the worker's at concurrency 32, and other work on
-the machine skews everything (the 1-minute load average is printed before and after).
+the machine skews everything (the 1-minute load average is printed before and after). Per
+phase the run prints each process's CPU seconds (the control plane's also per gateway
+request) and how busy the machine was: near 100%, the control plane's CPU comes out of the
+worker's and the client's, and the added latency follows it.
 
 The run exits nonzero only if a request failed; PASS/FAIL per row is information.
 
