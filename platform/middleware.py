@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -11,6 +12,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hotpool.platform.errors import APIError
 
 log = logging.getLogger("hotpool.api")
+access_log = logging.getLogger("hotpool.access")
+
+# Worker heartbeats every few seconds would drown the access log.
+QUIET_PREFIXES = ("/internal/workers/",)
 
 
 # What a client may send as its own x-request-id: short, printable, no spaces.
@@ -52,11 +57,13 @@ class RequestIdMiddleware:
             *self.extra,
         ]
         started = False
+        status = 0
+        t0 = time.monotonic()
 
         async def send_with_id(message: Message) -> None:
-            nonlocal started
+            nonlocal started, status
             if message["type"] == "http.response.start":
-                started = True
+                started, status = True, message["status"]
                 message["headers"] = [*message.get("headers", []), *ids]
             await send(message)
 
@@ -72,6 +79,28 @@ class RequestIdMiddleware:
                 500, "internal server error; this is a bug in hotpool", type="api_error"
             )
             await body.response()(scope, receive, send_with_id)
+        finally:
+            # Once the response is over (a stream's last token included), not when it starts
+            # as uvicorn's access log did: that line was written inside the time to first
+            # token. It also says how long the request took.
+            if not scope["path"].startswith(QUIET_PREFIXES):
+                _log_access(scope, status, time.monotonic() - t0, request_id)
+
+
+def _log_access(scope: Scope, status: int, seconds: float, request_id: str) -> None:
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    client = scope.get("client")
+    who = f"{client[0]}:{client[1]}" if client else "-"
+    query = scope.get("query_string", b"")
+    path = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+    access_log.info(
+        '%s - "%s %s HTTP/%s" %d %.1fms %s',
+        who, scope["method"], path, scope.get("http_version", "1.1"), status, seconds * 1e3,
+        request_id,
+        extra={"request_id": request_id, "method": scope["method"], "path": scope["path"],
+               "status": status, "duration_ms": round(seconds * 1e3, 3)},
+    )  # fmt: skip
 
 
 def _client_request_id(scope: Scope) -> str | None:

@@ -12,6 +12,7 @@ import uvicorn
 
 from hotpool.billing.db import Database, StaleSchema
 from hotpool.billing.deployments import DeploymentSpec, DeploymentStore
+from hotpool.http_protocol import CorkedHttpToolsProtocol
 from hotpool.platform.app import build_services, create_app
 from hotpool.pool.backend import WorkerBackend
 from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig, visible_gpus
@@ -33,13 +34,6 @@ def open_database(settings: Settings) -> Database:
         db.dispose()
         raise StartupError(str(exc)) from None
     return db
-
-
-class _QuietInternal(logging.Filter):
-    """Worker heartbeats every few seconds would drown the access log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "/internal/workers/" not in record.getMessage()
 
 
 def control_plane_url(settings: Settings, host: str, port: int, cluster_ip: str | None) -> str:
@@ -107,7 +101,6 @@ def ray_backend(settings: Settings, host: str, port: int, token: str) -> WorkerB
 
 
 def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> None:
-    logging.getLogger("uvicorn.access").addFilter(_QuietInternal())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per worker call otherwise
     settings.home.mkdir(parents=True, exist_ok=True)
     db = open_database(settings)
@@ -146,6 +139,11 @@ def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> Non
     )
     # log_config=None: uvicorn's loggers go through hotpool's handler (text or JSON).
     config = uvicorn.Config(
-        app, log_level=settings.log_level, log_config=None, timeout_graceful_shutdown=30
+        app,
+        log_level=settings.log_level,
+        log_config=None,
+        timeout_graceful_shutdown=30,
+        access_log=False,  # hotpool.access logs each request once it is over (middleware)
+        http=CorkedHttpToolsProtocol,  # a stream's headers and first token in one write
     )
     uvicorn.Server(config).run(sockets=[sock])

@@ -20,6 +20,7 @@ import httpx
 import torch
 import uvicorn
 
+from hotpool.http_protocol import CorkedHttpToolsProtocol
 from hotpool.worker.engine.llm_engine import EngineConfig
 from hotpool.worker.host_cache import HostModelCache
 from hotpool.worker.protocol import WorkerInfo
@@ -85,7 +86,11 @@ async def _main(opts: WorkerOptions) -> None:
     sock.bind((opts.host, opts.port))
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
-        app, log_level=opts.log_level, access_log=False, timeout_graceful_shutdown=10
+        app,
+        log_level=opts.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+        http=CorkedHttpToolsProtocol,  # a stream's headers and first token in one write
     )
     server = uvicorn.Server(config)
 

@@ -3,6 +3,7 @@ SQLite ledger, a real local-process backend (no request here ever reaches a work
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -98,6 +99,24 @@ def test_a_clients_request_id_is_echoed_but_never_the_ledger_key(client: TestCli
     for bad in ("has space", "x" * 65, "", "-leading", "semi;colon"):
         r = client.get("/healthz", headers={"x-request-id": bad})
         assert r.headers["x-request-id"] == r.headers["x-hotpool-request-id"]  # ignored
+
+
+def test_each_request_is_in_the_access_log_once_over_but_not_worker_heartbeats(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="hotpool.access"):
+        ok = client.get("/healthz?probe=1")
+        missing = client.get("/v1/nothing-here")
+        client.post("/internal/workers/w-unknown/heartbeat", json={})
+    lines = [r for r in caplog.records if r.name == "hotpool.access"]
+    assert [(r.method, r.path, r.status) for r in lines] == [  # type: ignore[attr-defined]
+        ("GET", "/healthz", 200),
+        ("GET", "/v1/nothing-here", 404),
+    ]
+    assert lines[0].request_id == ok.headers["x-hotpool-request-id"]  # type: ignore[attr-defined]
+    assert lines[1].request_id == missing.headers["x-hotpool-request-id"]  # type: ignore[attr-defined]
+    assert '"GET /healthz?probe=1 HTTP/1.1" 200' in lines[0].getMessage()
+    assert all(r.duration_ms >= 0 for r in lines)  # type: ignore[attr-defined]
 
 
 def test_unknown_route_is_an_openai_404(client: TestClient) -> None:

@@ -1,0 +1,110 @@
+"""hotpool.http_protocol: uvicorn's HTTP protocol with the writes of one loop pass joined."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+from hotpool.http_protocol import CorkedHttpToolsProtocol, CorkedTransport
+from hotpool.streaming import ChunkStream, Last
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_extra_info(self, name: str) -> Any:
+        return ("127.0.0.1", 1234) if name == "peername" else None
+
+
+def test_writes_of_one_loop_pass_leave_in_one_write_and_close_flushes_first() -> None:
+    async def run() -> FakeTransport:
+        fake = FakeTransport()
+        corked = CorkedTransport(fake, asyncio.get_running_loop())  # type: ignore[arg-type]
+        corked.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        corked.write(b"5\r\nhello\r\n")
+        assert fake.writes == [] and corked.get_write_buffer_size() == 29
+        await asyncio.sleep(0)  # the end of the pass
+        assert fake.writes == [b"HTTP/1.1 200 OK\r\n\r\n5\r\nhello\r\n"]
+        corked.write(b"0\r\n\r\n")
+        corked.close()  # nothing written is lost behind the close
+        assert fake.writes[-1] == b"0\r\n\r\n" and fake.closed
+        assert corked.get_extra_info("peername") == ("127.0.0.1", 1234)  # the rest: as is
+        await asyncio.sleep(0)
+        assert len(fake.writes) == 2  # the scheduled flush found nothing left
+        return fake
+
+    asyncio.run(run())
+
+
+@contextlib.contextmanager
+def _server(app: Any) -> Iterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", http=CorkedHttpToolsProtocol)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+async def _app(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] != "http":
+        return
+    n = int(scope["path"].strip("/") or 0)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(n):
+            yield f"data: {i}\n\n".encode()
+            await asyncio.sleep(0.001)
+        yield Last(b"data: [DONE]\n\n")
+
+    await ChunkStream(chunks(), "text/event-stream")(scope, receive, send)
+
+
+def test_streams_over_one_kept_alive_connection_keep_their_framing() -> None:
+    with _server(_app) as url, httpx.Client(base_url=url) as client:
+        for n in (0, 1, 5, 20):
+            with client.stream("POST", f"/{n}") as r:
+                parts = list(r.iter_text())
+            body = "".join(parts)
+            assert body == "".join(f"data: {i}\n\n" for i in range(n)) + "data: [DONE]\n\n"
+        # every request reused the first connection: the framing never went out of step
+        pool = client._transport._pool  # type: ignore[attr-defined]
+        assert len(pool.connections) == 1
+
+
+def test_a_connection_close_request_gets_its_whole_body() -> None:
+    with _server(_app) as url:
+        r = httpx.post(f"{url}/3", headers={"connection": "close"})
+        assert r.status_code == 200
+        assert r.text == "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
