@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import threading
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import uvicorn
 from starlette.types import Receive, Scope, Send
+from uvicorn_thread import uvicorn_in_thread
 
 from hotpool.http_protocol import CorkedHttpToolsProtocol, CorkedTransport
 from hotpool.streaming import ChunkStream, Last
@@ -59,24 +55,6 @@ def test_writes_of_one_loop_pass_leave_in_one_write_and_close_flushes_first() ->
     asyncio.run(run())
 
 
-@contextlib.contextmanager
-def _server(app: Any) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", http=CorkedHttpToolsProtocol)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 async def _app(scope: Scope, receive: Receive, send: Send) -> None:
     if scope["type"] != "http":
         return
@@ -92,7 +70,10 @@ async def _app(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 def test_streams_over_one_kept_alive_connection_keep_their_framing() -> None:
-    with _server(_app) as url, httpx.Client(base_url=url) as client:
+    with (
+        uvicorn_in_thread(_app, http=CorkedHttpToolsProtocol) as url,
+        httpx.Client(base_url=url) as client,
+    ):
         for n in (0, 1, 5, 20):
             with client.stream("POST", f"/{n}") as r:
                 parts = list(r.iter_text())
@@ -104,7 +85,7 @@ def test_streams_over_one_kept_alive_connection_keep_their_framing() -> None:
 
 
 def test_a_connection_close_request_gets_its_whole_body() -> None:
-    with _server(_app) as url:
+    with uvicorn_in_thread(_app, http=CorkedHttpToolsProtocol) as url:
         r = httpx.post(f"{url}/3", headers={"connection": "close"})
         assert r.status_code == 200
         assert r.text == "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n"

@@ -7,17 +7,14 @@ server to see that the end of the stream reaches the client before the iterator'
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from starlette.types import Receive, Scope, Send
+from uvicorn_thread import uvicorn_in_thread
 
 from hotpool.streaming import ChunkStream, Last
 
@@ -152,23 +149,6 @@ def test_an_error_in_the_iterator_reaches_the_server() -> None:
 # -- through uvicorn ---------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _server(app: Any) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 def test_over_http_the_client_has_the_whole_body_before_the_cleanup_ends() -> None:
     cleanup_s = 0.5
 
@@ -180,7 +160,7 @@ def test_over_http_the_client_has_the_whole_body_before_the_cleanup_ends() -> No
 
         await ChunkStream(chunks(), "text/event-stream")(scope, receive, send)
 
-    with _server(app) as url, httpx.Client(base_url=url) as client:
+    with uvicorn_in_thread(app) as url, httpx.Client(base_url=url) as client:
         t0 = time.monotonic()
         response = client.post("/")
         took = time.monotonic() - t0
