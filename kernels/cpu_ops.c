@@ -682,8 +682,11 @@ void hp_gate_up(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t
                     for (int64_t kp = 0; kp < k / 2; ++kp) {
                         const bf16 *wg = tile + (kp * 32 + j) * 2, *wu = wg + 32;
                         float x0 = bf2f(x[r * k + 2 * kp]), x1 = bf2f(x[r * k + 2 * kp + 1]);
-                        gate += x0 * bf2f(wg[0]) + x1 * bf2f(wg[1]);
-                        up += x0 * bf2f(wu[0]) + x1 * bf2f(wu[1]);
+                        /* hp_linear's order of operations, so the two agree bit for bit */
+                        gate += x0 * bf2f(wg[0]);
+                        gate += x1 * bf2f(wg[1]);
+                        up += x0 * bf2f(wu[0]);
+                        up += x1 * bf2f(wu[1]);
                     }
                     if (bias) {
                         gate += bias[f0 + j];

@@ -150,7 +150,9 @@ class Autoscaler:
         for r in idle:
             if len(live) <= floor:
                 break
-            if now - r.last_used >= spec.idle_timeout_s:
+            if now - r.last_used >= spec.idle_timeout_s and len(live) > want:
+                # Idle only because the router filled another replica first (streams that
+                # queued for the first ready one): the load still needs it, so it stays.
                 reason = "idle timeout"
             elif len(live) > keep:
                 reason = f"load {load} fits {keep} replica(s) for {self.scale_down_window_s:g}s"

@@ -23,6 +23,7 @@ from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
 from hotpool.worker.host_cache import HostKey, HostModelCache
 from hotpool.worker.models.llama import LlamaModel
 from hotpool.worker.models.loader import DTYPES, load_model
+from hotpool.worker.models.packed_linear import cpu_has_native_bf16
 from hotpool.worker.protocol import (
     GenerateEvent,
     GenerateRequest,
@@ -56,10 +57,11 @@ def pick_device(setting: str) -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 wherever it is fast: CUDA, and CPUs with native bf16 (PERF_NOTES: 5-15x fp32)."""
+    """bf16 wherever it is fast: CUDA, and CPUs with native bf16 (PERF_NOTES: 5-15x fp32);
+    fp32 on other CPUs, where bf16 is emulated and ~8x slower than fp32 (AVX2 EPYC)."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if torch.backends.mkldnn.is_available() else torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 class WorkerService:

@@ -262,6 +262,32 @@ def test_autoscaler_keeps_min_replicas_and_scales_to_zero_after_idle_timeout() -
     run(scenario)
 
 
+def test_an_idle_replica_the_load_still_needs_outlives_its_idle_timeout() -> None:
+    """Streams that queued for a cold deployment all go to the first replica ready; the
+    second, ready a moment later, serves nothing, but the load wants it: no idle timeout
+    (scaling it down only for the next tick to ask for it again)."""
+
+    async def scenario() -> None:
+        pool, _, events = _pool(max_workers=2)
+        spec = _spec("d", max_replicas=2, target_concurrency=2, idle_timeout_s=0.05)
+        scaler = _scaler(pool, {"d": spec}, {}, window=0.0)
+        busy = await _ready(pool.scale_up(spec))
+        spare = await _ready(pool.scale_up(spec))
+        busy.inflight = 4  # ceil(4 / 2) = 2 replicas wanted
+        await asyncio.sleep(0.1)
+        await scaler.tick()
+        await _settle(pool)
+        assert pool.replicas("d") == [busy, spare] and spare.state is ReplicaState.READY
+        busy.inflight = 1  # now one replica is enough: the idle one goes
+        await scaler.tick()
+        await _settle(pool)
+        assert pool.replicas("d") == [busy]
+        assert [e.reason for e in events if e.to_replicas < e.from_replicas] == ["idle timeout"]
+        await pool.shutdown()
+
+    run(scenario)
+
+
 def test_autoscaler_withdraws_queued_replicas_nobody_waits_for_any_more() -> None:
     async def scenario() -> None:
         pool, _, _ = _pool(max_workers=1, preempt_after_s=60)

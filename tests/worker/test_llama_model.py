@@ -70,7 +70,7 @@ def test_prepacked_bf16_linears_compute_what_plain_ones_do() -> None:
     from hotpool.worker.models.packed_linear import pack_linears, packing_available
 
     if not packing_available(torch.device("cpu"), torch.bfloat16):
-        pytest.skip("this CPU build has no oneDNN prepacking")  # then load_model does not pack
+        pytest.skip("no native bf16 here (AVX2 only): load_model does not prepack")
     plain = tiny_model(seed=2).to(torch.bfloat16)
     packed = copy.deepcopy(plain)
     assert pack_linears(packed) == 2 * 4 + 1  # four linears per layer, and the lm_head

@@ -84,7 +84,8 @@ def test_a_deployments_engine_options_reach_its_engine(
         await service.load(req)
         assert service.loaded is not None
         kv = service.loaded.engine.engine.kv_cache
-        per_block = kv.bytes_per_block(30, 16, 3, 64, torch.bfloat16)
+        # The machine's default dtype: bf16 where the CPU has it natively, else fp32.
+        per_block = kv.bytes_per_block(30, 16, 3, 64, kv.storage.dtype)
         assert kv.num_blocks == (8 << 20) // per_block  # the deployment's budget, not 32m
         long = GenerateRequest("t", SamplingParams(max_tokens=4), prompt="word " * 40)
         with pytest.raises(Exception, match="maximum context length is 24"):

@@ -17,11 +17,19 @@ from torch import nn
 from hotpool.kernels import cpu_ops
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (AVX-512 BF16, AMX or AVX-NE-CONVERT), as
+    oneDNN sees it. Without it (an AVX2-only CPU) torch emulates bf16 matmuls element by
+    element, ~8x slower than fp32 there, and oneDNN refuses to prepack bf16 weights."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(torch.backends.mkldnn.is_available() and probe is not None and probe())
+
+
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
+        and cpu_has_native_bf16()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
