@@ -13,17 +13,18 @@ requests, with ``--max-tokens`` output tokens (greedy, EOS ignored), go two ways
            routing, the replica lease, the relay of the worker's stream, SSE framing, the
            ledger and metrics.
 
-Each path has one shared ``httpx.AsyncClient`` (keep-alive). At concurrency 1 the paths
-alternate request by request (``--requests`` each); at concurrency 32 they alternate round
-by round (``--rounds`` rounds of 32 simultaneous streams each), so drift on a shared machine
-hits both alike. Both paths are warmed up first. The client measures TTFT (to the first
-event that carries text) and total time (to the end of the stream); the table shows p50 and
-p99 per path and the difference: ``added = p(gateway) - p(direct)``, a difference of
-percentiles. The target (issue 7): at most 2 ms added at p50 and 10 ms at p99, at both
-concurrencies. With ``--auth`` (on by default) a second server runs with
-``HOTPOOL_AUTH=keys`` and an API key made with ``hotpool tenants create`` / ``hotpool keys
-create`` before it starts, which adds rows for the cost of key authentication; the run
-also checks that the key is really required (a request without one must get a 401).
+Each path has one keep-alive client (hotpool's lean HTTP/1.1 stream client: see ``Paths``).
+At concurrency 1 the paths alternate request by request (``--requests`` each); at
+concurrency 32 they alternate round by round (``--rounds`` rounds of 32 simultaneous streams
+each), so drift on a shared machine hits both alike. Both paths are warmed up first. The
+client measures TTFT (to the first event that carries text) and total time (to the end of
+the stream); the table shows p50 and p99 per path and the difference: ``added = p(gateway) -
+p(direct)``, a difference of percentiles. The target (issue 7): at most 2 ms added at p50
+and 10 ms at p99, at both concurrencies. With ``--auth`` (on by default) a second server
+runs with ``HOTPOOL_AUTH=keys`` and an API key made with ``hotpool tenants create`` /
+``hotpool keys create`` before it starts, which adds rows for the cost of key
+authentication; the run also checks that the key is really required (a request without one
+must get a 401).
 
 Stages: the ledger keeps the control plane's own TTFT and total per request (from the start
 of the invoker to the first token from the worker, and to the end), so the added time
@@ -76,6 +77,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hotpool.billing.db import Database
 from hotpool.billing.ledger import Ledger, UsageRecord
+from hotpool.platform.worker_stream import WorkerStreams
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "bench" / "gateway"
@@ -316,7 +318,13 @@ class Sample:
 
 @dataclass
 class Paths:
-    """One shared keep-alive client per path, and how to send a request on each."""
+    """One keep-alive client per path, and how to send a request on each.
+
+    The client is hotpool's own lean HTTP/1.1 stream client (``WorkerStreams``, what the
+    control plane reaches its workers with), not httpx: httpx costs ~0.5 ms of Python per
+    streamed event here, so at concurrency 32 the client alone kept a core busy and its own
+    queueing swamped both paths' times. Both paths share the client, so what differs
+    between them is the server side."""
 
     gateway_url: str
     direct_url: str
@@ -325,17 +333,9 @@ class Paths:
     timeout_s: float
 
     def __post_init__(self) -> None:
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-        timeout = httpx.Timeout(self.timeout_s)
-        self.gateway = httpx.AsyncClient(
-            base_url=self.gateway_url, headers=self.gateway_headers, limits=limits, timeout=timeout
-        )
-        self.direct = httpx.AsyncClient(
-            base_url=self.direct_url,
-            headers={"authorization": f"Bearer {WORKER_TOKEN}"},
-            limits=limits,
-            timeout=timeout,
-        )
+        bearer = self.gateway_headers.get("authorization", "Bearer local").removeprefix("Bearer ")
+        self.gateway = WorkerStreams(bearer)  # with HOTPOOL_AUTH=none the key is ignored
+        self.direct = WorkerStreams(WORKER_TOKEN)
 
     async def close(self) -> None:
         await self.gateway.aclose()
@@ -358,28 +358,29 @@ class Paths:
         done = False
         t0 = time.perf_counter()
         try:
-            async with self.gateway.stream("POST", "/v1/completions", json=body) as r:
-                s.request_id = r.headers.get("x-hotpool-request-id", "")
-                if r.status_code != 200:
-                    await r.aread()
-                    s.error = f"HTTP {r.status_code}: {r.text[:200]}"
-                    return s
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
-                        done = True  # read on to the end of the body, as the openai client
-                        continue  # does: a response left unread loses its connection
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        s.error = str(chunk["error"].get("message"))
-                        continue
-                    choices = chunk.get("choices")
-                    if s.ttft is None and choices and choices[0].get("text"):
-                        s.ttft = time.perf_counter() - t0
-                    if chunk.get("usage"):
-                        s.tokens = int(chunk["usage"]["completion_tokens"])
-        except httpx.HTTPError as exc:
+            async with asyncio.timeout(self.timeout_s):
+                url = self.gateway_url + "/v1/completions"
+                async with self.gateway.post(url, json.dumps(body).encode()) as r:
+                    s.request_id = r.headers.get("x-hotpool-request-id", "")
+                    if r.status != 200:
+                        s.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
+                        return s
+                    async for line in r.lines():  # SSE: "data: ..." lines; blank ones skipped
+                        if not line.startswith(b"data: "):
+                            continue
+                        if line == b"data: [DONE]":
+                            done = True  # read on to the end of the body, as the openai client
+                            continue  # does: a response left unread loses its connection
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            s.error = str(chunk["error"].get("message"))
+                            continue
+                        choices = chunk.get("choices")
+                        if s.ttft is None and choices and choices[0].get("text"):
+                            s.ttft = time.perf_counter() - t0
+                        if chunk.get("usage"):
+                            s.tokens = int(chunk["usage"]["completion_tokens"])
+        except (httpx.HTTPError, TimeoutError) as exc:
             s.error = f"{type(exc).__name__}: {exc}"
         s.total = time.perf_counter() - t0
         if s.error is None and not done:
@@ -396,23 +397,22 @@ class Paths:
         finished = False
         t0 = time.perf_counter()
         try:
-            async with self.direct.stream("POST", "/generate", json=body) as r:
-                if r.status_code != 200:
-                    await r.aread()
-                    s.error = f"HTTP {r.status_code}: {r.text[:200]}"
-                    return s
-                async for line in r.aiter_lines():
-                    if not line:
-                        continue
-                    event = json.loads(line)
-                    if s.ttft is None and event.get("text"):
-                        s.ttft = time.perf_counter() - t0
-                    s.tokens += len(event.get("token_ids") or ())
-                    if event.get("finish_reason") == "error":
-                        s.error = str(event.get("error"))
-                    if event.get("usage") is not None:
-                        finished = True
-        except httpx.HTTPError as exc:
+            async with asyncio.timeout(self.timeout_s):
+                url = self.direct_url + "/generate"
+                async with self.direct.post(url, json.dumps(body).encode()) as r:
+                    if r.status != 200:
+                        s.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
+                        return s
+                    async for line in r.lines():
+                        event = json.loads(line)
+                        if s.ttft is None and event.get("text"):
+                            s.ttft = time.perf_counter() - t0
+                        s.tokens += len(event.get("token_ids") or ())
+                        if event.get("finish_reason") == "error":
+                            s.error = str(event.get("error"))
+                        if event.get("usage") is not None:
+                            finished = True
+        except (httpx.HTTPError, TimeoutError) as exc:
             s.error = f"{type(exc).__name__}: {exc}"
         s.total = time.perf_counter() - t0
         if s.error is None and not finished:
