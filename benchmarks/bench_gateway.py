@@ -36,12 +36,14 @@ flushed at once (Nagle's algorithm against a delayed ACK looks like this: ~40 ms
 The client reads every stream to its end (the chunked terminator), as the ``openai`` client
 does: a response left unread would cost its keep-alive connection.
 
-The client, the control plane and the worker share the machine's cores; on a small box the
-control plane's CPU time competes with the worker's at concurrency 32, and other work on
-the machine skews everything (the 1-minute load average is printed before and after). Per
-phase the run prints each process's CPU seconds (the control plane's also per gateway
-request) and how busy the machine was: near 100%, the control plane's CPU comes out of the
-worker's and the client's, and the added latency follows it.
+By default (``--pin``) the worker runs on a core of its own and the control plane and the
+client share the others, as in a real deployment, where a GPU worker's host threads do not
+share a core with the control plane; the client's cost then weighs on the gateway path only,
+so the comparison is conservative. With ``--no-pin`` everything shares the machine's cores:
+on a small box the control plane's CPU time is then taken from the worker's forward passes
+at concurrency 32, and other work on the machine skews everything (the 1-minute load average
+is printed before and after). Per phase the run prints each process's CPU seconds (the
+control plane's also per gateway request) and how busy the machine was.
 
 The run exits nonzero only if a request failed; PASS/FAIL per row is information.
 
@@ -507,6 +509,8 @@ def run_phase(name: str, uri: str, args: argparse.Namespace) -> dict[str, Any]:
               f"(pid {ready[0]['pid']}) at {address}", flush=True)  # fmt: skip
         probe = probe_auth(srv) if auth else {}
         pids = (srv.proc.pid, int(ready[0]["pid"]))
+        if args.pin:
+            print(f"[{name}] {pin(*pids)}", flush=True)
         results, cpu = asyncio.run(drive(srv, address, headers, name, args, pids))
         ids = {s.request_id for c in results.values() for s in c["gateway"] if s.request_id}
         rows: dict[str, UsageRecord] = {}
@@ -518,6 +522,23 @@ def run_phase(name: str, uri: str, args: argparse.Namespace) -> dict[str, Any]:
         with contextlib.suppress(TimeoutError):  # written off the request path
             wait_for("ledger rows", all_rows, 15)
     return summarize(name, results, rows, probe, cpu, args)
+
+
+def pin(cp_pid: int, worker_pid: int) -> str:
+    """The worker on a core of its own, the control plane and this client on the others:
+    the layout of a real deployment, where a GPU worker's host threads do not share a core
+    with the control plane. Unpinned on a 2-core box, every millisecond the control plane
+    runs is taken from the worker's forward pass or the client, and the comparison measures
+    core sharing as much as the control plane. Every thread of each process is pinned."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return "one core: nothing pinned"
+    mine, others = {cores[0]}, set(cores[1:])
+    for pid, cpus in ((worker_pid, mine), (cp_pid, others), (os.getpid(), others)):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(tid), cpus)
+    return f"worker pinned to CPU {cores[0]}; control plane and client to CPU(s) {sorted(others)}"
 
 
 async def drive(
@@ -615,7 +636,8 @@ def report(phases: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print()
     print(
         f"tiny random-weight Llama (2 layers, hidden 64) on CPU ({os.cpu_count()} cores), one "
-        f"replica, worker threads {args.worker_threads}, 1-minute load average "
+        f"replica, worker threads {args.worker_threads}, "
+        f"{'worker on its own core' if args.pin else 'unpinned'}, 1-minute load average "
         f"{args.load_average['before']:.2f} before / {args.load_average['after']:.2f} after; "
         f"{args.max_tokens} output tokens per "
         f"request, greedy, EOS ignored; c=1: {args.requests} requests per path, "
@@ -712,6 +734,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=20, help="warm-up requests per path at c=1")
     ap.add_argument("--worker-threads", type=int, default=1, help="the worker's CPU threads")
+    ap.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the worker on a core of its own, the control plane and the client on the rest",
+    )
     ap.add_argument(
         "--auth",
         action=argparse.BooleanOptionalAction,

@@ -42,7 +42,7 @@ from hotpool.platform.openapi import openapi_json
 from hotpool.platform.router import Router
 from hotpool.platform.scale_log import ScaleEventWriter
 from hotpool.platform.services import Services
-from hotpool.platform.worker_stream import WorkerStreams
+from hotpool.platform.worker_mux import WorkerMuxes
 from hotpool.pool.autoscaler import Autoscaler
 from hotpool.pool.backend import WorkerBackend
 from hotpool.pool.pool import ScaleEvent, WorkerPool
@@ -107,7 +107,7 @@ def build_services(
         router=router,
         ledger_writer=writer,
         scale_events=scale_log,
-        invoker=Invoker(router, pool.client, writer, metrics, WorkerStreams(worker_token)),
+        invoker=Invoker(router, pool.client, writer, metrics, WorkerMuxes(worker_token)),
         autoscaler=autoscaler,
         metrics=metrics,
         worker_token=worker_token,

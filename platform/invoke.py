@@ -8,7 +8,6 @@ record with the token counts the worker reported last.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,7 +24,7 @@ from hotpool.platform.ledger_writer import LedgerWriter
 from hotpool.platform.metrics import Metrics
 from hotpool.platform.router import Lease, Router, Target
 from hotpool.platform.schemas import CompletionCall
-from hotpool.platform.worker_stream import WorkerStreams
+from hotpool.platform.worker_mux import WorkerMuxes, WorkerRefused
 from hotpool.worker.protocol import GenerateEvent, GenerateRequest, Usage
 
 log = logging.getLogger("hotpool.invoke")
@@ -79,11 +78,11 @@ class Invoker:
         client: httpx.AsyncClient,
         ledger: LedgerWriter,
         metrics: Metrics,
-        streams: WorkerStreams,
+        muxes: WorkerMuxes,
     ) -> None:
         self.router = router
-        self.client = client  # aborts; the streams themselves go through `streams`
-        self.streams = streams
+        self.client = client  # aborts; the streams themselves go through `muxes`
+        self.muxes = muxes
         self.ledger = ledger
         self.metrics = metrics
         self._background: set[asyncio.Task[None]] = set()
@@ -202,16 +201,18 @@ class Invoker:
                     yield event
 
     async def _stream(self, lease: Lease, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
-        url = f"{lease.replica.address}/generate"
-        body = json.dumps(request.to_json()).encode()
-        async with self.streams.post(url, body) as response:
-            if response.status != 200:
-                raise _worker_error(response.status, await response.read())
-            async for line in response.lines():
-                yield GenerateEvent.from_json(json.loads(line))
+        rid = request.request_id
+        async with self.muxes.generate(lease.replica.address, rid, request.to_json()) as stream:
+            try:
+                async for event in stream:
+                    yield event
+            except WorkerRefused as exc:
+                if exc.status == 503:  # shutting down: another replica, as if unreachable
+                    raise httpx.ConnectError(f"the worker is shutting down: {exc}") from exc
+                raise _refused(exc.status, exc.message) from exc
 
     async def close(self) -> None:
-        await self.streams.aclose()
+        await self.muxes.aclose()
 
     def _abort_later(self, lease: Lease | None, request_id: str) -> None:
         # Runs outside the cancelled request's scope, where awaiting is still allowed.
@@ -307,11 +308,7 @@ def _token_gap(tally: _Tally, event: GenerateEvent, now: float) -> float | None:
     return None if previous is None else now - previous
 
 
-def _worker_error(status: int, body: bytes) -> APIError:
-    try:
-        message = json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = body[:300].decode(errors="replace")
+def _refused(status: int, message: str) -> APIError:
     if status == 400:  # the request itself is bad (prompt too long, template failure)
         return APIError(400, message)
     return APIError(502, f"worker error ({status}): {message}", type="api_error")

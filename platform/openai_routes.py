@@ -151,6 +151,22 @@ async def _sse(
     def chunk(choice: dict[str, Any]) -> str:
         return data(shape.envelope([choice], chunk=True))
 
+    # Most chunks are one choice's text and nothing else: the envelope around it is the
+    # same every time, so it is encoded once (json.dumps of the whole chunk cost ~8 us of
+    # the control plane's ~100 us per token) and only the text is encoded per chunk.
+    head, _, tail = data(shape.envelope([None], chunk=True)).rpartition('"choices": [null]')
+    head += '"choices": ['
+    tail = "]" + tail
+    field = '"delta": {"content": ' if shape.chat else '"text": '
+    close = (
+        '}, "logprobs": null, "finish_reason": null}'
+        if shape.chat
+        else (', "logprobs": null, "finish_reason": null}')
+    )
+
+    def text_chunk(index: int, text: str) -> str:
+        return f'{head}{{"index": {index}, {field}{json.dumps(text)}{close}{tail}'
+
     event: GenerateEvent | None = first
     started: set[int] = set()  # choices whose first chunk (with the role) is out
     finished: set[int] = set()
@@ -166,7 +182,10 @@ async def _sse(
                     out.append(data({"error": error.body()["error"]}))
                     break
                 i = event.index
-                if event.text or event.logprobs or i not in started:
+                if event.text and not event.logprobs and (i in started or not shape.chat):
+                    out.append(text_chunk(i, event.text))  # == chunk(shape.choice(...))
+                    started.add(i)
+                elif event.text or event.logprobs or i not in started:
                     out.append(
                         chunk(shape.choice(i, event.text, None, event.logprobs, i not in started))
                     )

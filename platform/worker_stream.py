@@ -1,12 +1,14 @@
-"""The hot path to the workers: ``POST /generate`` and its newline-delimited JSON stream,
-over plain asyncio streams with keep-alive connections.
+"""A lean HTTP/1.1 client for the workers' token streams, over plain asyncio streams.
 
-Every token of every request crosses this hop, so its cost per request and per event is
-the control plane's added latency. httpx is general (HTTP/2, proxies, cookies, many
-hooks) and costs about a millisecond of Python per request here; this client speaks just
-the HTTP/1.1 a worker (uvicorn) answers with: a request with a Content-Length body, a
-response with a chunked or Content-Length body, keep-alive. Everything else about the
-workers (load, unload, abort, health) still goes through httpx.
+Every token crosses the control plane → worker hop, so its cost per request and per event
+is the control plane's added latency. httpx is general (HTTP/2, proxies, cookies, many
+hooks) and costs about a millisecond of Python per request here; this speaks just the
+HTTP/1.1 a worker (uvicorn) answers with: a request with a Content-Length body, a response
+with a chunked or Content-Length body, keep-alive. :func:`connect` and
+:func:`read_response` are what ``hotpool.platform.worker_mux`` (the invoker's one
+connection per worker) is built on; :class:`WorkerStreams` runs one request per connection
+(``POST /generate``), as the gateway benchmark's load generator does. Everything else
+about the workers (load, unload, abort, health) goes through httpx.
 
 Failures raise httpx's transport exceptions (``ConnectError``, ``ReadError``,
 ``RemoteProtocolError``), so callers keep one contract: the invoker retries a request that
@@ -120,7 +122,7 @@ class WorkerStreams:
             try:
                 writer.write(head + body)
                 await writer.drain()
-                response = await self._response(reader)
+                response = await read_response(reader)
             except httpx.TransportError:
                 if not reused:
                     raise
@@ -129,7 +131,7 @@ class WorkerStreams:
                 reader, writer, _ = await self._connection(key, fresh=True)
                 writer.write(head + body)
                 await writer.drain()
-                response = await self._response(reader)
+                response = await read_response(reader)
             yield response
         finally:
             if response is not None and response.done and not _closing(response):
@@ -152,17 +154,7 @@ class WorkerStreams:
             if not writer.is_closing() and not reader.at_eof():
                 return reader, writer, True
             writer.close()
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(*key, limit=MAX_LINE), CONNECT_TIMEOUT_S
-            )
-        except (OSError, TimeoutError) as exc:
-            raise httpx.ConnectError(
-                f"cannot reach the worker at {key[0]}:{key[1]}: {exc!r}"
-            ) from exc
-        sock = writer.get_extra_info("socket")
-        if sock is not None:  # each event is a small write that must not wait (Nagle)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        reader, writer = await connect(key)
         return reader, writer, False
 
     def _release(self, key: tuple[str, int], conn: _Conn) -> None:
@@ -172,23 +164,39 @@ class WorkerStreams:
         else:
             conn[1].close()
 
-    async def _response(self, reader: asyncio.StreamReader) -> WorkerResponse:
-        try:
-            status_line = await reader.readuntil(b"\r\n")
-            if not status_line.startswith(b"HTTP/1."):
-                raise httpx.RemoteProtocolError(f"not an HTTP response: {status_line[:40]!r}")
-            status = int(status_line.split(b" ", 2)[1])
-            headers: dict[str, str] = {}
-            while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
-                name, _, value = line.decode("latin-1").partition(":")
-                headers[name.strip().lower()] = value.strip()
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-            raise httpx.ReadError(f"the worker closed the connection: {exc!r}") from exc
-        except (asyncio.LimitOverrunError, ValueError, IndexError) as exc:
-            raise httpx.RemoteProtocolError(f"bad response from the worker: {exc!r}") from exc
-        chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-        length = None if chunked else int(headers.get("content-length", "-1"))
-        return WorkerResponse(status, headers, reader, chunked, None if length == -1 else length)
+
+async def connect(key: tuple[str, int]) -> _Conn:
+    """A new connection to the worker at ``key`` (host, port), Nagle off."""
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(*key, limit=MAX_LINE), CONNECT_TIMEOUT_S
+        )
+    except (OSError, TimeoutError) as exc:
+        raise httpx.ConnectError(f"cannot reach the worker at {key[0]}:{key[1]}: {exc!r}") from exc
+    sock = writer.get_extra_info("socket")
+    if sock is not None:  # each event is a small write that must not wait (Nagle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return reader, writer
+
+
+async def read_response(reader: asyncio.StreamReader) -> WorkerResponse:
+    """A response's status line and headers; its body is left to read."""
+    try:
+        status_line = await reader.readuntil(b"\r\n")
+        if not status_line.startswith(b"HTTP/1."):
+            raise httpx.RemoteProtocolError(f"not an HTTP response: {status_line[:40]!r}")
+        status = int(status_line.split(b" ", 2)[1])
+        headers: dict[str, str] = {}
+        while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+    except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+        raise httpx.ReadError(f"the worker closed the connection: {exc!r}") from exc
+    except (asyncio.LimitOverrunError, ValueError, IndexError) as exc:
+        raise httpx.RemoteProtocolError(f"bad response from the worker: {exc!r}") from exc
+    chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+    length = None if chunked else int(headers.get("content-length", "-1"))
+    return WorkerResponse(status, headers, reader, chunked, None if length == -1 else length)
 
 
 def _closing(response: WorkerResponse) -> bool:

@@ -78,7 +78,12 @@ async def _main(opts: WorkerOptions) -> None:
         opts.engine,
         HostModelCache(opts.host_cache_bytes),
     )
-    app = build_worker_app(service, opts.token, opts.worker_id)
+    server: uvicorn.Server | None = None  # made below, around the app
+
+    def stopping() -> bool:
+        return server is not None and server.should_exit
+
+    app = build_worker_app(service, opts.token, opts.worker_id, stopping)
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only for a
     # socket made with it, and without it each streamed chunk can wait ~40 ms (Nagle).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

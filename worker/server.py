@@ -1,6 +1,7 @@
 """The worker's internal HTTP API (never public): bearer token on everything but /health.
 
 ``POST /load``, ``POST /unload``, ``POST /generate`` (NDJSON stream of GenerateEvent),
+``POST /generate/mux`` (many generations on one connection: ``hotpool.worker.mux``),
 ``POST /abort/{request_id}``, ``GET /health``, ``GET /metrics``.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -24,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hotpool.streaming import ChunkStream
 from hotpool.worker.engine.base import RequestRejected
 from hotpool.worker.models.loader import ModelLoadError
+from hotpool.worker.mux import Multiplexer
 from hotpool.worker.protocol import GenerateEvent, GenerateRequest, LoadRequest
 from hotpool.worker.service import NotLoaded, WorkerService
 from hotpool.worker.snapshot.errors import SnapshotError
@@ -128,8 +130,24 @@ class WorkerMetrics:
         self.step_seconds.observe(seconds)
         self.step_tokens.observe(tokens)
 
+    def finished(self, reason: str) -> None:
+        """A choice ended with ``reason``."""
+        self.requests.labels(reason).inc()
 
-def build_worker_app(service: WorkerService, token: str, worker_id: str) -> ASGIApp:
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """A request's exact usage, from the last event of its stream."""
+        self.tokens.labels("prompt").inc(prompt_tokens)
+        self.tokens.labels("completion").inc(completion_tokens)
+
+
+def build_worker_app(
+    service: WorkerService,
+    token: str,
+    worker_id: str,
+    stopping: Callable[[], bool] = lambda: False,
+) -> ASGIApp:
+    """``stopping``: whether the server is shutting down (``/generate/mux`` then takes no
+    new requests and ends once idle)."""
     metrics = WorkerMetrics(service)
 
     async def health(_: Request) -> Response:
@@ -190,6 +208,7 @@ def build_worker_app(service: WorkerService, token: str, worker_id: str) -> ASGI
             Route("/load", load, methods=["POST"]),
             Route("/unload", unload, methods=["POST"]),
             Route("/generate", generate, methods=["POST"]),
+            Route("/generate/mux", Multiplexer(service, metrics, stopping), methods=["POST"]),
             Route("/abort/{request_id}", abort, methods=["POST"]),
             Route("/metrics", prom),
         ]
@@ -212,12 +231,11 @@ async def _ndjson(
     try:
         while event is not None:
             if event.finish_reason is not None:
-                metrics.requests.labels(event.finish_reason).inc()
+                metrics.finished(event.finish_reason)
             yield (json.dumps(event.to_json()) + "\n").encode()
             last, event = event, await anext(rest, None)
         if last.usage is not None:  # the stream's last event: the request's exact usage
-            metrics.tokens.labels("prompt").inc(last.usage.prompt_tokens)
-            metrics.tokens.labels("completion").inc(last.usage.completion_tokens)
+            metrics.usage(last.usage.prompt_tokens, last.usage.completion_tokens)
     except Exception as exc:  # a failure mid-stream ends it with an error event
         log.exception("generation failed")
         yield (
