@@ -64,14 +64,19 @@ class Multiplexer:
 
 
 class _Exchange:
-    """One open ``/generate/mux``: its running requests and its batched writes."""
+    """One open ``/generate/mux``: its running requests.
+
+    Each generation writes its own frames (one ASGI ``send`` per event, as ``/generate``
+    does); the worker's corked transport (``hotpool.http_protocol``) joins what every
+    stream wrote in one pass of the event loop into one ``send`` system call. A writer task
+    in between would cost each event one more pass of the loop, and on a worker each pass
+    can wait for the GIL behind the engine thread's step."""
 
     def __init__(self, mux: Multiplexer, send: Send) -> None:
         self.mux = mux
         self.send = send
         self.running: dict[str, asyncio.Task[None]] = {}
-        self.out: list[bytes] = []  # frames for the next write
-        self.waiter: asyncio.Future[None] | None = None  # the writer, waiting for work
+        self.waiter: asyncio.Future[None] | None = None  # run(), waiting for news
 
     async def run(self, receive: Receive) -> None:
         await self.send(
@@ -81,9 +86,22 @@ class _Exchange:
                 "headers": [(b"content-type", b"application/x-ndjson")],
             }
         )
+        loop = asyncio.get_running_loop()
         reading = asyncio.ensure_future(self._read(receive))
+        reading.add_done_callback(lambda _: self._wake())
         try:
-            await self._write_until_done(reading)
+            while True:
+                self.waiter = loop.create_future()
+                # Idle: look again now and then whether the worker is stopping.
+                timer = None if self.running else loop.call_later(STOP_POLL_S, self._wake)
+                await self.waiter
+                if timer is not None:
+                    timer.cancel()
+                if reading.done() and not reading.result():
+                    return  # disconnected: nothing can be delivered any more
+                if not self.running and (reading.done() or self.mux.stopping()):
+                    await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+                    return
         finally:
             reading.cancel()
             for task in list(self.running.values()):
@@ -91,6 +109,14 @@ class _Exchange:
             with contextlib.suppress(asyncio.CancelledError):
                 await reading
             await asyncio.gather(*self.running.values(), return_exceptions=True)
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _write(self, data: bytes) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def _read(self, receive: Receive) -> bool:
         """The operations, as they come; True when the body ended (no more requests), False
@@ -105,43 +131,11 @@ class _Exchange:
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
                     if line.strip():
-                        self._operation(line)
+                        await self._operation(line)
             if not message.get("more_body", False):
                 return True
 
-    async def _write_until_done(self, reading: asyncio.Future[bool]) -> None:
-        """Send what the streams produce, one write per wake-up, until the client has asked
-        for nothing more and everything it asked for is over (or it is gone)."""
-        loop = asyncio.get_running_loop()
-        reading.add_done_callback(lambda _: self._wake())
-        while True:
-            if not self.out:
-                self.waiter = loop.create_future()
-                # Idle: look again now and then whether the worker is stopping.
-                timer = None if self.running else loop.call_later(STOP_POLL_S, self._wake)
-                await self.waiter
-                if timer is not None:
-                    timer.cancel()
-            if self.out:
-                data = b"".join(self.out)
-                self.out.clear()
-                await self.send({"type": "http.response.body", "body": data, "more_body": True})
-            if reading.done() and not reading.result():
-                return  # disconnected: nothing can be delivered any more
-            if not self.running and not self.out and (reading.done() or self.mux.stopping()):
-                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
-                return
-
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _emit(self, line: bytes) -> None:
-        self.out.append(line)
-        self._wake()
-
-    def _operation(self, line: bytes) -> None:
+    async def _operation(self, line: bytes) -> None:
         op: Any = None
         try:
             op = json.loads(line)
@@ -157,22 +151,23 @@ class _Exchange:
             rid = request.get("request_id") if isinstance(request, dict) else None
             log.warning("malformed mux operation: %s", exc)
             if isinstance(rid, str):
-                self._refuse(rid, 400, f"malformed generate request: {exc}")
+                await self._refuse(rid, 400, f"malformed generate request: {exc}")
             return
         rid = req.request_id
         if rid in self.running:
-            self._refuse(rid, 409, f"request {rid} is already running here", "conflict")
+            await self._refuse(rid, 409, f"request {rid} is already running here", "conflict")
         elif self.mux.stopping():
-            self._refuse(rid, 503, "the worker is shutting down", "unavailable")
+            await self._refuse(rid, 503, "the worker is shutting down", "unavailable")
         else:
             self.running[rid] = asyncio.ensure_future(self._generate(req))
 
-    def _refuse(
+    async def _refuse(
         self, rid: str, status: int, message: str, kind: str = "invalid_request_error"
     ) -> None:
         error = {"status": status, "message": message, "type": kind}
-        self._emit((json.dumps({"id": rid, "error": error}) + "\n").encode())
-        self._emit(_end_line(rid))
+        await self._write(
+            (json.dumps({"id": rid, "error": error}) + "\n").encode() + _end_line(rid)
+        )
 
     async def _generate(self, req: GenerateRequest) -> None:
         rid = req.request_id
@@ -182,10 +177,10 @@ class _Exchange:
             try:
                 event: GenerateEvent | None = await anext(events)
             except NotLoaded as exc:
-                self._refuse(rid, 409, str(exc), "not_loaded")
+                await self._refuse(rid, 409, str(exc), "not_loaded")
                 return
             except (RequestRejected, TemplateError) as exc:
-                self._refuse(rid, 400, str(exc))
+                await self._refuse(rid, 400, str(exc))
                 return
             except StopAsyncIteration:
                 event = None
@@ -193,17 +188,21 @@ class _Exchange:
             while event is not None:
                 if event.finish_reason is not None:
                     self.mux.sink.finished(event.finish_reason)
-                self._emit(head + json.dumps(event.to_json()).encode() + b"}\n")
+                await self._write(head + json.dumps(event.to_json()).encode() + b"}\n")
                 last, event = event, await anext(events, None)
+            # The generator ends without waiting once its last event is out, so this frame
+            # leaves in the same write as that event (the transport is corked).
+            await self._write(_end_line(rid))
             if last is not None and last.usage is not None:
                 self.mux.sink.usage(last.usage.prompt_tokens, last.usage.completion_tokens)
-            self._emit(_end_line(rid))
         except asyncio.CancelledError:
             raise  # the exchange is over: nobody to tell
         except Exception as exc:  # a failure mid-stream ends it with an error event
             log.exception("generation %s failed", rid)
             failed = GenerateEvent(finish_reason="error", error=str(exc))
-            self._emit(head + json.dumps(failed.to_json()).encode() + b"}\n" + _end_line(rid))
+            await self._write(
+                head + json.dumps(failed.to_json()).encode() + b"}\n" + _end_line(rid)
+            )
         finally:
             self.running.pop(rid, None)
             self._wake()
