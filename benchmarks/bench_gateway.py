@@ -82,6 +82,7 @@ from hotpool.billing.ledger import Ledger, UsageRecord
 from hotpool.platform.worker_stream import WorkerStreams
 
 REPO = Path(__file__).resolve().parent.parent
+CORES = sorted(os.sched_getaffinity(0))  # the cores this run may use, before any pinning
 CACHE = REPO / ".cache" / "bench" / "gateway"
 PROMPT = "Once upon a time, in a town by the sea, there lived"
 TARGET_MS = {"p50": 2.0, "p99": 10.0}  # issue 7: added latency, at c=1 and c=32
@@ -530,7 +531,7 @@ def pin(cp_pid: int, worker_pid: int) -> str:
     with the control plane. Unpinned on a 2-core box, every millisecond the control plane
     runs is taken from the worker's forward pass or the client, and the comparison measures
     core sharing as much as the control plane. Every thread of each process is pinned."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores = CORES  # as at the start: an earlier phase pinned this process
     if len(cores) < 2:
         return "one core: nothing pinned"
     mine, others = {cores[0]}, set(cores[1:])
