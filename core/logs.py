@@ -40,6 +40,14 @@ def configure(level: str, fmt: str = "text") -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # Fields no format here prints, which every record would look up otherwise: the
+    # caller's file and line (a walk up the stack), the thread's, the process's and
+    # multiprocessing's names (the logging HOWTO's "Optimization"). The control plane logs
+    # two lines per request on the event loop that relays tokens.
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+    logging._srcfile = None  # type: ignore[attr-defined]
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
@@ -174,6 +175,34 @@ def spool_bytes(writer: LedgerWriter) -> int:
     return total
 
 
+@dataclass(frozen=True, slots=True)
+class _RequestChildren:
+    """The labelled series one finished request updates."""
+
+    requests: Counter
+    input: Counter
+    cached_input: Counter
+    output: Counter
+    ttft: Histogram
+    e2e: Histogram
+    queue: Histogram
+
+
+def _request_children(
+    m: Metrics, deployment: str, version: int | None, status: str
+) -> _RequestChildren:
+    v = "" if version is None else str(version)
+    return _RequestChildren(
+        requests=m.requests.labels(deployment, v, status),
+        input=m.tokens.labels(deployment, v, "input"),
+        cached_input=m.tokens.labels(deployment, v, "cached_input"),
+        output=m.tokens.labels(deployment, v, "output"),
+        ttft=m.ttft.labels(deployment, v),
+        e2e=m.e2e.labels(deployment),
+        queue=m.queue.labels(deployment),
+    )
+
+
 class Metrics:
     def __init__(self, pool: WorkerPool) -> None:
         self.registry = CollectorRegistry()
@@ -215,6 +244,7 @@ class Metrics:
             registry=r,
         )
         self._inter_token: dict[str, Histogram] = {}  # its children, by deployment
+        self._request_children: dict[tuple[str, int | None, str], _RequestChildren] = {}
         self.queue = Histogram(
             "hotpool_queue_seconds",
             "Time waiting for a replica",
@@ -245,16 +275,19 @@ class Metrics:
         queue: float | None,
         version: int | None = None,
     ) -> None:
-        v = "" if version is None else str(version)
-        self.requests.labels(deployment, v, status).inc()
-        self.tokens.labels(deployment, v, "input").inc(usage.prompt_tokens)
-        self.tokens.labels(deployment, v, "cached_input").inc(usage.cached_tokens)
-        self.tokens.labels(deployment, v, "output").inc(usage.completion_tokens)
+        key = (deployment, version, status)
+        c = self._request_children.get(key)
+        if c is None:  # labels() costs more than the update: once per label set
+            c = self._request_children[key] = _request_children(self, *key)
+        c.requests.inc()
+        c.input.inc(usage.prompt_tokens)
+        c.cached_input.inc(usage.cached_tokens)
+        c.output.inc(usage.completion_tokens)
         if ttft is not None:
-            self.ttft.labels(deployment, v).observe(ttft)
-        self.e2e.labels(deployment).observe(total)
+            c.ttft.observe(ttft)
+        c.e2e.observe(total)
         if queue is not None:
-            self.queue.labels(deployment).observe(queue)
+            c.queue.observe(queue)
 
     def observe_token_gap(self, deployment: str, seconds: float, tokens: int) -> None:
         """``tokens`` tokens arrived ``seconds`` after the choice's previous ones.

@@ -54,10 +54,11 @@ _END = _End()
 class MuxStream:
     """The events of one generation, as its connection's reader hands them over."""
 
-    __slots__ = ("_items", "_waiter", "ended", "request_id")
+    __slots__ = ("_items", "_loop", "_waiter", "ended", "request_id")
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
+        self._loop = loop
         self._items: deque[GenerateEvent | _End | BaseException] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self.ended = False  # the worker said so: nothing to abort there
@@ -73,7 +74,7 @@ class MuxStream:
 
     async def __anext__(self) -> GenerateEvent:
         while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -101,6 +102,7 @@ class WorkerMux:
         self._netloc = netloc
         self._auth = auth
         self._on_close = on_close
+        self._loop = asyncio.get_running_loop()  # made by a coroutine, used on its loop
         self._streams: dict[str, MuxStream] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._pending: list[bytes] = []
@@ -131,7 +133,7 @@ class WorkerMux:
         except BaseException:
             writer.close()
             raise
-        self._reading = asyncio.get_running_loop().create_task(self._read(response.lines()))
+        self._reading = self._loop.create_task(self._read(response.line_batches()))
 
     def open(self, request_id: str, request: dict[str, Any]) -> MuxStream:
         """Start a generation (``request``: a ``GenerateRequest`` as JSON)."""
@@ -139,8 +141,12 @@ class WorkerMux:
             raise httpx.ReadError(f"the connection to the worker is gone: {self.error!r}")
         if request_id in self._streams:
             raise ValueError(f"request {request_id} is already open on this worker")
-        stream = self._streams[request_id] = MuxStream(request_id)
-        self._send({"op": "generate", "request": request})
+        stream = self._streams[request_id] = MuxStream(request_id, self._loop)
+        # Sent now rather than with the rest of this loop pass: a burst of requests reaches
+        # the worker one by one as each is admitted here, so the worker parses and schedules
+        # the first while this process still admits the others (joined, the first waited
+        # for the whole burst's admission).
+        self._send({"op": "generate", "request": request}, now=True)
         return stream
 
     def close_stream(self, stream: MuxStream) -> None:
@@ -161,11 +167,13 @@ class WorkerMux:
     def open_streams(self) -> int:
         return len(self._streams)
 
-    def _send(self, op: dict[str, Any]) -> None:
+    def _send(self, op: dict[str, Any], now: bool = False) -> None:
         line = json.dumps(op).encode() + b"\n"
-        if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush)
+        if not self._pending and not now:
+            self._loop.call_soon(self._flush)
         self._pending.append(b"%x\r\n%s\r\n" % (len(line), line))
+        if now:
+            self._flush()
 
     def _flush(self) -> None:
         # What this pass of the event loop asked for, in one write.
@@ -176,20 +184,26 @@ class WorkerMux:
         if not self._writer.is_closing():
             self._writer.write(data)
 
-    async def _read(self, lines: AsyncIterator[bytes]) -> None:
+    async def _read(self, batches: AsyncIterator[list[bytes]]) -> None:
         error: BaseException = httpx.ReadError("the worker ended the connection")
+        streams = self._streams
         try:
-            async for line in lines:
-                frame = json.loads(line)
-                stream = self._streams.get(frame["id"])
-                if stream is None:
-                    continue  # closed by its caller: the rest of it is nobody's
-                if (event := frame.get("event")) is not None:
-                    stream.put(GenerateEvent.from_json(event))
-                elif (err := frame.get("error")) is not None:
-                    stream.put(WorkerRefused(int(err["status"]), str(err["message"]), err["type"]))
-                elif frame.get("end"):
-                    stream.put(_END)
+            async for lines in batches:
+                # The frames of one read, decoded in one call: a decode step's events for
+                # every stream on this worker usually arrive together.
+                frames = json.loads(b"[" + b",".join(lines) + b"]")
+                for frame in frames:
+                    stream = streams.get(frame["id"])
+                    if stream is None:
+                        continue  # closed by its caller: the rest of it is nobody's
+                    if (event := frame.get("event")) is not None:
+                        stream.put(GenerateEvent.from_json(event))
+                    elif (err := frame.get("error")) is not None:
+                        stream.put(
+                            WorkerRefused(int(err["status"]), str(err["message"]), err["type"])
+                        )
+                    elif frame.get("end"):
+                        stream.put(_END)
         except httpx.TransportError as exc:
             error = exc
         except (ValueError, KeyError, TypeError) as exc:

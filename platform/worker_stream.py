@@ -21,13 +21,14 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
 
 MAX_IDLE_PER_WORKER = 64  # kept-alive connections per worker address
 MAX_LINE = 64 * 1024  # a status line, a header, a chunk-size line
+READ_SIZE = 256 * 1024  # what one read of a response body may take
 CONNECT_TIMEOUT_S = 10.0
 
 _Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -41,57 +42,109 @@ class WorkerResponse:
     _chunked: bool
     _length: int | None
     done: bool = False  # the whole body was read: the connection may be reused
-    _pending: bytes = field(default=b"", repr=False)
 
     async def read(self) -> bytes:
         """The whole body (an error answer, say)."""
-        parts = [part async for part in self._parts()]
-        return b"".join(parts)
+        return b"".join([part async for parts in self._batches() for part in parts])
 
     async def lines(self) -> AsyncIterator[bytes]:
         """The body's lines without their newlines, as they arrive; empty lines skipped."""
-        buffer = b""
-        async for part in self._parts():
-            buffer += part
-            if b"\n" not in buffer:
-                continue
-            *complete, buffer = buffer.split(b"\n")
-            for line in complete:
-                if line:
-                    yield line
-        if buffer:
-            yield buffer
+        async for batch in self.line_batches():
+            for line in batch:
+                yield line
 
-    async def _parts(self) -> AsyncIterator[bytes]:
+    async def line_batches(self) -> AsyncIterator[list[bytes]]:
+        """The body's complete lines per read from the socket (empty lines skipped).
+
+        A worker's decode step writes an event for each of its streams at once; they arrive
+        in one read and are handed on together, without an ``await`` per line."""
+        buffer = b""
+        async for parts in self._batches():
+            data = buffer + b"".join(parts) if buffer else b"".join(parts)
+            if b"\n" not in data:
+                buffer = data
+                continue
+            *complete, buffer = data.split(b"\n")
+            batch = [line for line in complete if line]
+            if batch:
+                yield batch
+        if buffer:
+            yield [buffer]
+
+    async def _batches(self) -> AsyncIterator[list[bytes]]:
+        """The body's data per read: with chunked encoding, the chunks each read completed.
+
+        The chunk framing is parsed from what one ``read`` returned, in a loop without
+        ``await``: a ``readuntil`` and a ``readexactly`` per chunk cost more than the
+        events inside them."""
         r = self._reader
         try:
             if not self._chunked:
                 left = self._length
                 while left is None or left > 0:
-                    data = await r.read(65536 if left is None else min(left, 65536))
+                    data = await r.read(READ_SIZE if left is None else min(left, READ_SIZE))
                     if not data:
                         if left is None:  # read to the end: the connection ends with it
                             return
-                        raise httpx.RemoteProtocolError("the worker closed mid-body")
+                        raise httpx.ReadError("the worker closed the connection mid-body")
                     if left is not None:
                         left -= len(data)
-                    yield data
+                    yield [data]
                 self.done = True
                 return
+            buffer = b""
             while True:
-                size_line = await r.readuntil(b"\r\n")
-                size = int(size_line.split(b";", 1)[0].strip(), 16)
-                if size == 0:
-                    while await r.readuntil(b"\r\n") != b"\r\n":  # trailers, if any
-                        pass
-                    self.done = True
+                data = await r.read(READ_SIZE)
+                if not data:
+                    raise httpx.ReadError("the worker closed the connection mid-body")
+                buffer = buffer + data if buffer else data
+                parts: list[bytes] = []
+                used, last = parse_chunks(buffer, parts)
+                buffer = buffer[used:]
+                if parts:
+                    yield parts
+                if last:
+                    # Anything after the last chunk is no answer to a request of ours.
+                    self.done = not buffer
                     return
-                data = await r.readexactly(size + 2)
-                yield data[:-2]
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+        except ValueError as exc:
             raise httpx.RemoteProtocolError(f"bad response from the worker: {exc!r}") from exc
         except (ConnectionError, OSError) as exc:
             raise httpx.ReadError(f"lost the worker: {exc!r}") from exc
+
+
+def parse_chunks(buffer: bytes, out: list[bytes]) -> tuple[int, bool]:
+    """The complete chunks at the start of ``buffer`` (a chunked body), appended to ``out``.
+
+    Returns how many bytes they took and whether the last chunk (size 0, and its trailers)
+    was among them; what is left is an incomplete chunk, to be parsed again with more
+    data. Raises ``ValueError`` for anything that is not chunked encoding."""
+    pos, end = 0, len(buffer)
+    while True:
+        eol = buffer.find(b"\r\n", pos)
+        if eol < 0:
+            if end - pos > MAX_LINE:
+                raise ValueError("chunk-size line too long")
+            return pos, False
+        size = int(buffer[pos:eol].split(b";", 1)[0], 16)
+        if size < 0:
+            raise ValueError(f"negative chunk size {size}")
+        if size == 0:
+            # Trailer lines, if any, then an empty line: "0\r\n" [trailers] "\r\n".
+            stop = buffer.find(b"\r\n\r\n", eol)
+            if stop < 0:
+                if end - eol > MAX_LINE:
+                    raise ValueError("trailers too long")
+                return pos, False
+            return stop + 4, True
+        start = eol + 2
+        stop = start + size
+        if stop + 2 > end:
+            return pos, False
+        if buffer[stop : stop + 2] != b"\r\n":
+            raise ValueError("a chunk not followed by CRLF")
+        out.append(buffer[start:stop])
+        pos = stop + 2
 
 
 class WorkerStreams:

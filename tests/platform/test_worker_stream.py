@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from hotpool.platform.worker_stream import WorkerStreams
+from hotpool.platform.worker_stream import WorkerStreams, parse_chunks
 
 PEERS: set[tuple[str, int]] = set()  # client addresses seen: one per connection
 
@@ -119,3 +119,33 @@ def test_a_kept_alive_connection_the_worker_closed_is_retried_fresh(url: str) ->
         await streams.aclose()
 
     asyncio.run(scenario())
+
+
+def _chunked(*payloads: bytes, trailers: bytes = b"") -> bytes:
+    body = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in payloads)
+    return body + b"0\r\n" + trailers + b"\r\n"
+
+
+def test_chunk_parsing_is_the_same_however_the_bytes_arrive() -> None:
+    payloads = [b"a", b"{" + b"x" * 300 + b"}\n", b"\r\n\r\n", b"last\n"]
+    body = _chunked(*payloads, trailers=b"x-trailer: 1\r\n")
+    # Whole, then in every split into two reads, then a byte per read.
+    splits = [[body]] + [[body[:i], body[i:]] for i in range(1, len(body))]
+    splits.append([body[i : i + 1] for i in range(len(body))])
+    for reads in splits:
+        buffer, got, last = b"", [], False
+        for data in reads:
+            assert not last, "nothing is parsed after the last chunk"
+            buffer += data
+            used, last = parse_chunks(buffer, got)
+            buffer = buffer[used:]
+        assert last and buffer == b"" and got == payloads
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"zz\r\nab\r\n", b"-1\r\nab\r\n", b"2\r\nabc\r\n", b"\r\n", b"f" * (70 * 1024)],
+)
+def test_chunk_parsing_refuses_what_is_not_chunked_encoding(body: bytes) -> None:
+    with pytest.raises(ValueError):
+        parse_chunks(body, [])
