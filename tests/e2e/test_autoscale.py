@@ -38,9 +38,15 @@ class Stream:
 
 
 def stream(
-    server: Server, model: str, max_tokens: int, on_chunk: Any = None, timeout: float = 300
+    server: Server,
+    model: str,
+    max_tokens: int,
+    on_chunk: Any = None,
+    timeout: float = 300,
+    stop: threading.Event | None = None,
 ) -> Stream:
-    """A streamed completion read to the end; ``on_chunk(n)`` after each text chunk."""
+    """A streamed completion read to the end; ``on_chunk(n)`` after each text chunk. Once
+    ``stop`` is set the client goes away after its next chunk."""
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
     out = Stream()
@@ -65,6 +71,8 @@ def stream(
             out.finish = choice["finish_reason"] or out.finish
             if on_chunk is not None:
                 on_chunk(len(out.texts))
+            if stop is not None and stop.is_set():
+                break
     return out
 
 
@@ -314,7 +322,10 @@ def test_queue_wait_past_the_timeout_is_503_with_retry_after(
         # Its own cold start takes longer than the 2s queue timeout: the first requests
         # are 503s, but the cold start goes on and a later request finds it ready.
         srv.wait_for("holder ready", lambda: complete(srv, "holder").status_code == 200)
-        long = threading.Thread(target=lambda: stream(srv, "holder", 300))
+        # Long enough to hold the only worker past the queue timeout on a slow machine; cut
+        # short once the waiter has its answer.
+        done = threading.Event()
+        long = threading.Thread(target=lambda: stream(srv, "holder", 300, stop=done))
         long.start()
         try:
             srv.wait_for("holder busy", lambda: srv.replicas("holder")[0]["inflight"] == 1, 10)
@@ -322,6 +333,7 @@ def test_queue_wait_past_the_timeout_is_503_with_retry_after(
             r = complete(srv, "waiter")
             took = time.monotonic() - t0
         finally:
+            done.set()
             long.join()
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "queue_timeout"
