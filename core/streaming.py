@@ -89,6 +89,10 @@ class ChunkStream:
                 if last:
                     ended = True
                     state.streaming = False  # the end is out: a disconnect now is no news
+                    # One pass of the loop, so that the corked write of the end leaves now:
+                    # the rest of the iterator is its cleanup (the request's accounting, a
+                    # log line), which the client should not wait for.
+                    await asyncio.sleep(0)
             if not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
