@@ -16,6 +16,7 @@ import pytest
 from starlette.types import Receive, Scope, Send
 from uvicorn_thread import uvicorn_in_thread
 
+from hotpool.http_protocol import CorkedHttpToolsProtocol
 from hotpool.streaming import ChunkStream, Last
 
 SCOPE: Scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
@@ -168,3 +169,28 @@ def test_over_http_the_client_has_the_whole_body_before_the_cleanup_ends() -> No
         assert response.text == "data: 1\n\ndata: [DONE]\n\n"
         assert response.headers["transfer-encoding"] == "chunked"
         assert took < cleanup_s  # the response did not wait for the cleanup
+
+
+def test_over_a_corked_connection_the_end_does_not_wait_for_synchronous_cleanup() -> None:
+    # The control plane's server joins a loop pass's writes into one send at the end of the
+    # pass (hotpool.http_protocol), and a request's accounting after the end of its stream
+    # (ledger, metrics, a log line) runs without awaiting: the end must leave before it.
+    cleanup_s = 0.5
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        async def chunks() -> AsyncIterator[bytes]:
+            yield b"data: 1\n\n"
+            yield Last(b"data: [DONE]\n\n")
+            time.sleep(cleanup_s)  # noqa: ASYNC251 -- work that never yields to the loop
+
+        await ChunkStream(chunks(), "text/event-stream")(scope, receive, send)
+
+    with (
+        uvicorn_in_thread(app, http=CorkedHttpToolsProtocol) as url,
+        httpx.Client(base_url=url) as client,
+    ):
+        t0 = time.monotonic()
+        response = client.post("/")
+        took = time.monotonic() - t0
+        assert response.text == "data: 1\n\ndata: [DONE]\n\n"
+        assert took < cleanup_s
