@@ -39,7 +39,9 @@ does: a response left unread would cost its keep-alive connection.
 By default (``--pin``) the worker runs on a core of its own and the control plane and the
 client share the others, as in a real deployment, where a GPU worker's host threads do not
 share a core with the control plane; the client's cost then weighs on the gateway path only,
-so the comparison is conservative. With ``--no-pin`` everything shares the machine's cores:
+so the comparison is conservative. ``--client-core worker`` puts the client beside the
+worker instead (on two cores no layout is neutral: see ``pin``). With ``--no-pin`` everything
+shares the machine's cores:
 on a small box the control plane's CPU time is then taken from the worker's forward passes
 at concurrency 32, and other work on the machine skews everything (the 1-minute load average
 is printed before and after). Per phase the run prints each process's CPU seconds (the
@@ -49,6 +51,7 @@ The run exits nonzero only if a request failed; PASS/FAIL per row is information
 
     python benchmarks/bench_gateway.py
     python benchmarks/bench_gateway.py --requests 500 --rounds 40 --no-auth --json out.json
+    python benchmarks/bench_gateway.py --client-core worker
 """
 
 from __future__ import annotations
@@ -511,7 +514,8 @@ def run_phase(name: str, uri: str, args: argparse.Namespace) -> dict[str, Any]:
         probe = probe_auth(srv) if auth else {}
         pids = (srv.proc.pid, int(ready[0]["pid"]))
         if args.pin:
-            print(f"[{name}] {pin(*pids)}", flush=True)
+            print(f"[{name}] {pin(*pids, client_with_worker=args.client_core == 'worker')}",
+                  flush=True)  # fmt: skip
         results, cpu = asyncio.run(drive(srv, address, headers, name, args, pids))
         ids = {s.request_id for c in results.values() for s in c["gateway"] if s.request_id}
         rows: dict[str, UsageRecord] = {}
@@ -525,21 +529,40 @@ def run_phase(name: str, uri: str, args: argparse.Namespace) -> dict[str, Any]:
     return summarize(name, results, rows, probe, cpu, args)
 
 
-def pin(cp_pid: int, worker_pid: int) -> str:
+def pin(cp_pid: int, worker_pid: int, client_with_worker: bool = False) -> str:
     """The worker on a core of its own, the control plane and this client on the others:
     the layout of a real deployment, where a GPU worker's host threads do not share a core
     with the control plane. Unpinned on a 2-core box, every millisecond the control plane
     runs is taken from the worker's forward pass or the client, and the comparison measures
-    core sharing as much as the control plane. Every thread of each process is pinned."""
+    core sharing as much as the control plane. Every thread of each process is pinned.
+
+    With ``client_with_worker`` the client shares the worker's core instead. On two cores
+    neither layout is neutral: beside the control plane, the client's CPU weighs on the
+    gateway path only (and at concurrency 32 that core is the bottleneck); beside the worker,
+    it slows the worker in both paths, holds up the direct path's reads while the worker
+    computes, and every gateway event crosses cores twice (worker → control plane → client).
+    Three cores or more give each its own."""
     cores = CORES  # as at the start: an earlier phase pinned this process
     if len(cores) < 2:
         return "one core: nothing pinned"
     mine, others = {cores[0]}, set(cores[1:])
-    for pid, cpus in ((worker_pid, mine), (cp_pid, others), (os.getpid(), others)):
+    client = mine if client_with_worker else others
+    for pid, cpus in ((worker_pid, mine), (cp_pid, others), (os.getpid(), client)):
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(ProcessLookupError):
                 os.sched_setaffinity(int(tid), cpus)
+    if client_with_worker:
+        return (f"worker and client pinned to CPU {cores[0]}; control plane to CPU(s) "
+                f"{sorted(others)}")  # fmt: skip
     return f"worker pinned to CPU {cores[0]}; control plane and client to CPU(s) {sorted(others)}"
+
+
+def layout(args: argparse.Namespace) -> str:
+    if not args.pin:
+        return "unpinned"
+    if args.client_core == "worker":
+        return "worker and client on one core, control plane on the other(s)"
+    return "worker on its own core"
 
 
 async def drive(
@@ -638,7 +661,7 @@ def report(phases: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
         f"tiny random-weight Llama (2 layers, hidden 64) on CPU ({os.cpu_count()} cores), one "
         f"replica, worker threads {args.worker_threads}, "
-        f"{'worker on its own core' if args.pin else 'unpinned'}, 1-minute load average "
+        f"{layout(args)}, 1-minute load average "
         f"{args.load_average['before']:.2f} before / {args.load_average['after']:.2f} after; "
         f"{args.max_tokens} output tokens per "
         f"request, greedy, EOS ignored; c=1: {args.requests} requests per path, "
@@ -740,6 +763,12 @@ def main() -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="the worker on a core of its own, the control plane and the client on the rest",
+    )
+    ap.add_argument(
+        "--client-core",
+        choices=("control-plane", "worker"),
+        default="control-plane",
+        help="with --pin: the core(s) the client shares (see pin())",
     )
     ap.add_argument(
         "--auth",
