@@ -150,18 +150,29 @@ def test_an_error_in_the_iterator_reaches_the_server() -> None:
 # -- through uvicorn ---------------------------------------------------------------------
 
 
-def test_over_http_the_client_has_the_whole_body_before_the_cleanup_ends() -> None:
+@pytest.mark.parametrize("blocking", [False, True], ids=["awaiting", "blocking"])
+@pytest.mark.parametrize("corked", [False, True], ids=["uvicorn", "corked"])
+def test_over_http_the_client_has_the_whole_body_before_the_cleanup_ends(
+    corked: bool, blocking: bool
+) -> None:
+    # The control plane's server joins a loop pass's writes into one send at the end of the
+    # pass (hotpool.http_protocol), and a request's accounting after the end of its stream
+    # (ledger, metrics, a log line) may run without awaiting: the end must leave before it.
     cleanup_s = 0.5
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         async def chunks() -> AsyncIterator[bytes]:
             yield b"data: 1\n\n"
             yield Last(b"data: [DONE]\n\n")
-            await asyncio.sleep(cleanup_s)  # slow bookkeeping after the end
+            if blocking:
+                time.sleep(cleanup_s)  # noqa: ASYNC251 -- work that never yields to the loop
+            else:
+                await asyncio.sleep(cleanup_s)  # slow bookkeeping after the end
 
         await ChunkStream(chunks(), "text/event-stream")(scope, receive, send)
 
-    with uvicorn_in_thread(app) as url, httpx.Client(base_url=url) as client:
+    config = {"http": CorkedHttpToolsProtocol} if corked else {}
+    with uvicorn_in_thread(app, **config) as url, httpx.Client(base_url=url) as client:
         t0 = time.monotonic()
         response = client.post("/")
         took = time.monotonic() - t0
@@ -169,28 +180,3 @@ def test_over_http_the_client_has_the_whole_body_before_the_cleanup_ends() -> No
         assert response.text == "data: 1\n\ndata: [DONE]\n\n"
         assert response.headers["transfer-encoding"] == "chunked"
         assert took < cleanup_s  # the response did not wait for the cleanup
-
-
-def test_over_a_corked_connection_the_end_does_not_wait_for_synchronous_cleanup() -> None:
-    # The control plane's server joins a loop pass's writes into one send at the end of the
-    # pass (hotpool.http_protocol), and a request's accounting after the end of its stream
-    # (ledger, metrics, a log line) runs without awaiting: the end must leave before it.
-    cleanup_s = 0.5
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        async def chunks() -> AsyncIterator[bytes]:
-            yield b"data: 1\n\n"
-            yield Last(b"data: [DONE]\n\n")
-            time.sleep(cleanup_s)  # noqa: ASYNC251 -- work that never yields to the loop
-
-        await ChunkStream(chunks(), "text/event-stream")(scope, receive, send)
-
-    with (
-        uvicorn_in_thread(app, http=CorkedHttpToolsProtocol) as url,
-        httpx.Client(base_url=url) as client,
-    ):
-        t0 = time.monotonic()
-        response = client.post("/")
-        took = time.monotonic() - t0
-        assert response.text == "data: 1\n\ndata: [DONE]\n\n"
-        assert took < cleanup_s
