@@ -13,6 +13,7 @@ import uvicorn
 
 from hotpool.billing.db import Database, StaleSchema
 from hotpool.billing.deployments import DeploymentSpec, DeploymentStore
+from hotpool.heap import settle_heap
 from hotpool.http_protocol import CorkedHttpToolsProtocol
 from hotpool.platform.app import build_services, create_app
 from hotpool.pool.backend import WorkerBackend
@@ -146,6 +147,7 @@ def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> Non
     # flight held up every stream by up to 5 ms; at 0.5 ms the batch is interleaved with the
     # relay in slices too short to show as latency.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    settle_heap()  # start-up's objects out of the collector's full passes (hotpool.heap)
     # log_config=None: uvicorn's loggers go through hotpool's handler (text or JSON).
     config = uvicorn.Config(
         app,

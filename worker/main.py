@@ -20,6 +20,7 @@ import httpx
 import torch
 import uvicorn
 
+from hotpool.heap import settle_heap
 from hotpool.http_protocol import CorkedHttpToolsProtocol
 from hotpool.worker.engine.llm_engine import EngineConfig
 from hotpool.worker.host_cache import HostModelCache
@@ -77,6 +78,7 @@ async def _main(opts: WorkerOptions) -> None:
         device,
         opts.engine,
         HostModelCache(opts.host_cache_bytes),
+        after_load=settle_heap,  # the model's objects out of the collector's full passes
     )
     server: uvicorn.Server | None = None  # made below, around the app
 
@@ -114,6 +116,7 @@ async def _main(opts: WorkerOptions) -> None:
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not serving.done():  # noqa: ASYNC110 (uvicorn has only a flag)
         await asyncio.sleep(0.01)
+    settle_heap()  # start-up's objects (torch's among them) out of the collector's full passes
     beat = asyncio.create_task(_heartbeat(opts, info, server))
     try:
         await serving

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
@@ -71,7 +71,10 @@ class WorkerService:
         device: torch.device,
         engine_config: EngineConfig | None = None,
         host_cache: HostModelCache | None = None,
+        after_load: Callable[[], object] | None = None,
     ) -> None:
+        """``after_load`` runs once a model is in place, before the load is answered (the
+        worker process settles its heap there: :func:`hotpool.heap.settle_heap`)."""
         self.cache = cache
         self.device = device
         self.engine_config = engine_config or EngineConfig()
@@ -79,6 +82,7 @@ class WorkerService:
         self.loaded: LoadedModel | None = None
         self._lock = asyncio.Lock()
         self._running: dict[str, tuple[str, ...]] = {}  # request id -> its choices' engine ids
+        self._after_load = after_load
 
     async def load(self, req: LoadRequest) -> LoadResult:
         async with self._lock:
@@ -86,6 +90,8 @@ class WorkerService:
                 await self._unload_locked()
             result, loaded = await asyncio.to_thread(self._load_blocking, req)
             self.loaded = loaded
+            if self._after_load is not None:
+                self._after_load()
             return result
 
     def _load_blocking(self, req: LoadRequest) -> tuple[LoadResult, LoadedModel]:

@@ -59,10 +59,17 @@ def test_a_failed_load_leaves_nothing_pinned(tmp_path: Path, smollm2_snapshot_bf
     (bad / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
     write_manifest(bad, build_manifest(bad, architecture="gpt2", dtype="bf16"))
     cache = SnapshotCache(tmp_path / "cache")
-    service = WorkerService(cache, torch.device("cpu"), EngineConfig(kv_cache_bytes=32 << 20))
+    settled: list[object] = []
+    service = WorkerService(
+        cache,
+        torch.device("cpu"),
+        EngineConfig(kv_cache_bytes=32 << 20),
+        after_load=lambda: settled.append(service.loaded),
+    )
     with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
         asyncio.run(service.load(LoadRequest("d", f"file://{bad}")))
     assert service.loaded is None
+    assert settled == []  # nothing was loaded: no heap to settle
     (entry,) = cache.entries()  # fetched and verified, then refused by the loader
     assert not cache.is_pinned(entry.digest)
 
@@ -70,11 +77,13 @@ def test_a_failed_load_leaves_nothing_pinned(tmp_path: Path, smollm2_snapshot_bf
 def test_a_deployments_engine_options_reach_its_engine(
     tmp_path: Path, smollm2_snapshot_bf16: Path
 ) -> None:
+    settled: list[object] = []
     service = WorkerService(
         SnapshotCache(tmp_path / "cache"),
         torch.device("cpu"),
         EngineConfig(kv_cache_bytes=32 << 20),
         HostModelCache(0),
+        after_load=lambda: settled.append(service.loaded),
     )
     req = LoadRequest(
         "d", f"file://{smollm2_snapshot_bf16}", max_model_len=24, kv_cache_bytes=8 << 20
@@ -83,6 +92,7 @@ def test_a_deployments_engine_options_reach_its_engine(
     async def scenario() -> None:
         await service.load(req)
         assert service.loaded is not None
+        assert settled == [service.loaded]  # once, with the model in place (the heap hook)
         kv = service.loaded.engine.engine.kv_cache
         # The machine's default dtype: bf16 where the CPU has it natively, else fp32.
         per_block = kv.bytes_per_block(30, 16, 3, 64, kv.storage.dtype)

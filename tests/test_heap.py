@@ -1,0 +1,43 @@
+"""settle_heap: start-up's objects leave the collector's full passes; later garbage does not."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from hotpool.heap import settle_heap
+
+
+class Node:
+    def __init__(self) -> None:
+        self.me = self  # a reference cycle: only the cyclic collector frees it
+
+
+@pytest.fixture(autouse=True)
+def thawed() -> Iterator[None]:
+    yield
+    gc.unfreeze()  # the rest of the test process is collected as usual
+
+
+def test_objects_alive_when_settled_are_exempt_from_later_collections() -> None:
+    node = Node()
+    alive = weakref.ref(node)
+    frozen = settle_heap()
+    assert frozen == gc.get_freeze_count() > 0
+    del node  # garbage now, but frozen: a full pass does not walk it
+    gc.collect()
+    assert alive() is not None
+    settle_heap()  # thaws first: what became garbage since the last call is collected
+    assert alive() is None
+
+
+def test_garbage_made_after_settling_is_still_collected() -> None:
+    settle_heap()
+    node = Node()
+    gone = weakref.ref(node)
+    del node
+    gc.collect()
+    assert gone() is None
