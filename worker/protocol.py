@@ -211,16 +211,25 @@ class GenerateEvent:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GenerateEvent:
+        # Decoded per token per stream on the control plane: built without the frozen
+        # dataclass's __init__ (an object.__setattr__ per field: 3.5 us of the 8 us this
+        # took), with the same fields, equality and hash. Every field must be set here.
         usage = data.get("usage")
-        return cls(
+        logprobs = data.get("logprobs")
+        event = _new(cls)
+        event.__dict__.update(
             text=data.get("text", ""),
             token_ids=tuple(data.get("token_ids") or ()),
             finish_reason=data.get("finish_reason"),
             usage=None if usage is None else Usage(**usage),
             error=data.get("error"),
             index=data.get("index", 0),
-            logprobs=tuple(PositionLogprobs.from_json(p) for p in data.get("logprobs") or ()),
+            logprobs=tuple(map(PositionLogprobs.from_json, logprobs)) if logprobs else (),
         )
+        return event
+
+
+_new = object.__new__
 
 
 @dataclass(frozen=True)

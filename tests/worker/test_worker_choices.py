@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
 
 import pytest
@@ -173,7 +173,10 @@ def test_protocol_round_trips_and_old_messages_get_defaults() -> None:
     )
     assert GenerateRequest.from_json(json.loads(json.dumps(req.to_json()))) == req
     old = GenerateEvent.from_json({"text": "x", "token_ids": [1]})
-    assert (old.index, old.logprobs) == (0, ())
+    assert old == GenerateEvent("x", (1,))  # every field not sent takes its default
+    assert hash(old) == hash(GenerateEvent("x", (1,)))
+    with pytest.raises(FrozenInstanceError):
+        old.text = "y"  # type: ignore[misc]
     assert GenerateRequest.from_json({"request_id": "r", "prompt": "p"}).params.n == 1
 
 
