@@ -5,8 +5,9 @@ A cold start runs in the background: wait for a worker slot (first come first se
 register, then ask it to load the deployment's snapshot. Callers wait on the replica's
 ``ready`` event, so requests queue through a cold start instead of failing. Releasing a
 replica drains it (no new requests, in-flight ones finish), unloads its model and returns
-the worker to the idle set (``warm_workers`` of them, refilled in the background), or stops
-it when the idle set is full. A worker that dies or stops heartbeating is replaced.
+the worker to the first cold start waiting for a slot, else to the idle set
+(``warm_workers`` of them, refilled in the background), or stops it when the idle set is
+full. A worker that dies or stops heartbeating is replaced.
 """
 
 from __future__ import annotations
@@ -405,14 +406,33 @@ class WorkerPool:
             if info is None:  # also when cancelled mid-unload: never orphan the process
                 await self.launcher.stop(replica.handle)
         if info is not None:
-            self.warm.offer(IdleWorker(replica.handle, info, replica.deployment))
+            idle = IdleWorker(replica.handle, info, replica.deployment)
+            if not self._hand_over(idle):
+                self.warm.offer(idle)
         self._grant()  # a queued cold start takes the freed slot before the warm pool does
 
+    def _hand_over(self, idle: IdleWorker) -> bool:
+        """Give a just-unloaded worker to the first cold start waiting for a slot: an
+        eviction swaps models in one process (no process start; the evicted model stays in
+        its host tier) even when no idle workers are kept."""
+        while self._slot_queue:
+            replica, fut = self._slot_queue.popleft()
+            if fut.done():
+                continue
+            replica.state = ReplicaState.COLD  # holds its slot from now on
+            fut.set_result(idle)
+            return True
+        return False
+
+    def _slot_wanted(self) -> bool:
+        return any(not fut.done() for _, fut in self._slot_queue)
+
     async def _unload(self, replica: Replica) -> WorkerInfo | None:
-        """Unload the replica's model so its worker can idle; None: stop the worker instead."""
+        """Unload the replica's model so its worker can idle or serve a queued cold start;
+        None: stop the worker instead."""
         worker = replica.worker
         if (
-            self.warm.target == 0
+            (self.warm.target == 0 and not self._slot_wanted())
             or self._closing
             or worker is None
             or replica.load is None

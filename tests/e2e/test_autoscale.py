@@ -256,10 +256,17 @@ def one_worker(
 def test_more_deployments_than_workers_take_turns_by_lru_eviction(one_worker: Server) -> None:
     for name in ("a", "b", "c"):
         one_worker.deploy(name, idle_timeout_s=300)
+    served_by: list[tuple[int, str]] = []  # (worker pid, where the weights came from)
     for name in ("a", "b", "c", "a"):
         r = complete(one_worker, name)
         assert r.status_code == 200, (name, r.text)
         assert [d for d in ("a", "b", "c") if one_worker.replicas(d)] == [name]
+        (replica,) = one_worker.replicas(name)
+        served_by.append((replica["pid"], replica["weights_tier"]))
+    # One process swapped the models: an evicted worker goes to the waiting cold start, and
+    # the three deployments share one snapshot, whose weights stayed in its RAM.
+    assert len({pid for pid, _ in served_by}) == 1, served_by
+    assert [tier for _, tier in served_by[1:]] == ["host"] * 3
     evictions = [
         (name, e["reason"])
         for name in ("a", "b", "c")

@@ -99,7 +99,7 @@ def run(scenario: Callable[[], Awaitable[None]]) -> None:
 
 def test_slots_go_first_come_first_served_and_idle_replicas_are_evicted_lru() -> None:
     async def scenario() -> None:
-        pool, _, events = _pool(max_workers=2)
+        pool, backend, events = _pool(max_workers=2)  # and no idle workers kept
         a = await _ready(pool.scale_up(_spec("a")))
         b = await _ready(pool.scale_up(_spec("b")))
         a.last_used, b.last_used = 1.0, 2.0  # a is the least recently used
@@ -114,6 +114,11 @@ def test_slots_go_first_come_first_served_and_idle_replicas_are_evicted_lru() ->
             ("b", "evicted (least recently used) for d"),  # then the next in line got b's
         ]
         assert {r.deployment for r in pool.replicas()} == {"c", "d"}
+        # Each evicted worker was unloaded and handed to the waiting cold start: the models
+        # swapped in the same processes, none was stopped and none started.
+        assert (c.handle.worker_id, d.handle.worker_id) == (a.handle.worker_id, b.handle.worker_id)
+        assert backend.started == 2 and len(backend.running) == 2
+        assert c.load is not None and c.load.phases["start"] < 0.5
         await pool.shutdown()
 
     run(scenario)
