@@ -760,6 +760,16 @@ def report(phases: list[dict[str, Any]], args: argparse.Namespace) -> None:
         for q in ("p50", "p99")
     )
     print("target met on every row" if met else "target MISSED on at least one row")
+    if args.pin and len(CORES) < 3:
+        shared = (
+            "the worker's: it slows the worker on both paths"
+            if args.client_core == "worker"
+            else "the control plane's: its CPU weighs on the gateway path alone"
+        )
+        print(
+            f"caveat: on {len(CORES)} cores the client shares a core, {shared} (see `pin`); "
+            "with 3 or more, the control plane and the client have a core each"
+        )
     summary = {"bench": "gateway", "args": vars(args), "target_ms": TARGET_MS, "phases": phases}
     print(json.dumps(summary, default=str))
     if args.json:
