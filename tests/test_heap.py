@@ -41,3 +41,19 @@ def test_garbage_made_after_settling_is_still_collected() -> None:
     del node
     gc.collect()
     assert gone() is None
+
+
+def test_without_thawing_only_what_is_new_is_walked_and_frozen() -> None:
+    old = Node()
+    old_ref = weakref.ref(old)
+    settle_heap()
+    del old  # garbage among the frozen: a settle without thawing leaves it be
+    new = Node()
+    frozen = settle_heap(thaw=False)
+    assert frozen == gc.get_freeze_count() and old_ref() is not None
+    gone = weakref.ref(new)
+    del new  # frozen by the second settle
+    gc.collect()
+    assert gone() is not None
+    settle_heap()  # thawing collects both
+    assert old_ref() is None and gone() is None

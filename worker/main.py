@@ -78,7 +78,7 @@ async def _main(opts: WorkerOptions) -> None:
         device,
         opts.engine,
         HostModelCache(opts.host_cache_bytes),
-        after_load=settle_heap,  # the model's objects out of the collector's full passes
+        settle_heap=settle_heap,  # a model's objects out of the collector's full passes
     )
     server: uvicorn.Server | None = None  # made below, around the app
 

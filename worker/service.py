@@ -71,10 +71,11 @@ class WorkerService:
         device: torch.device,
         engine_config: EngineConfig | None = None,
         host_cache: HostModelCache | None = None,
-        after_load: Callable[[], object] | None = None,
+        settle_heap: Callable[[bool], object] | None = None,
     ) -> None:
-        """``after_load`` runs once a model is in place, before the load is answered (the
-        worker process settles its heap there: :func:`hotpool.heap.settle_heap`)."""
+        """``settle_heap`` (the worker process passes :func:`hotpool.heap.settle_heap`) runs
+        once a model is in place, before the load is answered, with ``thaw=False``, and after
+        an unload with ``thaw=True``: a model dropped from RAM is freed by the collector."""
         self.cache = cache
         self.device = device
         self.engine_config = engine_config or EngineConfig()
@@ -82,7 +83,7 @@ class WorkerService:
         self.loaded: LoadedModel | None = None
         self._lock = asyncio.Lock()
         self._running: dict[str, tuple[str, ...]] = {}  # request id -> its choices' engine ids
-        self._after_load = after_load
+        self._settle_heap = settle_heap
 
     async def load(self, req: LoadRequest) -> LoadResult:
         async with self._lock:
@@ -90,8 +91,8 @@ class WorkerService:
                 await self._unload_locked()
             result, loaded = await asyncio.to_thread(self._load_blocking, req)
             self.loaded = loaded
-            if self._after_load is not None:
-                self._after_load()
+            if self._settle_heap is not None:
+                self._settle_heap(False)  # the model's objects out of the full passes
             return result
 
     def _load_blocking(self, req: LoadRequest) -> tuple[LoadResult, LoadedModel]:
@@ -151,6 +152,9 @@ class WorkerService:
             await asyncio.to_thread(
                 self.host_cache.put, loaded.host_key, loaded.model, loaded.tokenizer
             )
+            del loaded
+            if self._settle_heap is not None:
+                self._settle_heap(True)  # what of a model dropped from RAM only gc frees
 
     def abort(self, request_id: str) -> bool:
         """Stop a request (all its choices); each ends with ``finish_reason="abort"``."""

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
+from hotpool.heap import settle_heap
 from hotpool.worker.engine.llm_engine import EngineConfig
 from hotpool.worker.host_cache import HostModelCache
 from hotpool.worker.models.loader import ModelLoadError
@@ -59,13 +62,9 @@ def test_a_failed_load_leaves_nothing_pinned(tmp_path: Path, smollm2_snapshot_bf
     (bad / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
     write_manifest(bad, build_manifest(bad, architecture="gpt2", dtype="bf16"))
     cache = SnapshotCache(tmp_path / "cache")
-    settled: list[object] = []
-    service = WorkerService(
-        cache,
-        torch.device("cpu"),
-        EngineConfig(kv_cache_bytes=32 << 20),
-        after_load=lambda: settled.append(service.loaded),
-    )
+    settled: list[bool] = []
+    config = EngineConfig(kv_cache_bytes=32 << 20)
+    service = WorkerService(cache, torch.device("cpu"), config, settle_heap=settled.append)
     with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
         asyncio.run(service.load(LoadRequest("d", f"file://{bad}")))
     assert service.loaded is None
@@ -77,22 +76,27 @@ def test_a_failed_load_leaves_nothing_pinned(tmp_path: Path, smollm2_snapshot_bf
 def test_a_deployments_engine_options_reach_its_engine(
     tmp_path: Path, smollm2_snapshot_bf16: Path
 ) -> None:
-    settled: list[object] = []
+    settled: list[bool] = []
+
+    def settle(thaw: bool) -> None:
+        settled.append(thaw)
+        settle_heap(thaw)
+
     service = WorkerService(
         SnapshotCache(tmp_path / "cache"),
         torch.device("cpu"),
         EngineConfig(kv_cache_bytes=32 << 20),
-        HostModelCache(0),
-        after_load=lambda: settled.append(service.loaded),
+        HostModelCache(0),  # nothing kept in RAM: an unload drops the model
+        settle_heap=settle,
     )
     req = LoadRequest(
         "d", f"file://{smollm2_snapshot_bf16}", max_model_len=24, kv_cache_bytes=8 << 20
     )
 
-    async def scenario() -> None:
+    async def scenario() -> weakref.ref[object]:
         await service.load(req)
         assert service.loaded is not None
-        assert settled == [service.loaded]  # once, with the model in place (the heap hook)
+        assert settled == [False]  # the new model's objects frozen, nothing thawed
         kv = service.loaded.engine.engine.kv_cache
         # The machine's default dtype: bf16 where the CPU has it natively, else fp32.
         per_block = kv.bytes_per_block(30, 16, 3, 64, kv.storage.dtype)
@@ -101,6 +105,14 @@ def test_a_deployments_engine_options_reach_its_engine(
         with pytest.raises(Exception, match="maximum context length is 24"):
             [e async for e in service.generate(long)]
         assert await _answer(service)  # a prompt that fits still runs
+        model = weakref.ref(service.loaded.model)
         await service.unload()
+        return model
 
-    asyncio.run(scenario())
+    try:
+        model = asyncio.run(scenario())
+        assert settled == [False, True]
+        # Frozen objects are never collected: the dropped model's weights are gone anyway.
+        assert model() is None
+    finally:
+        gc.unfreeze()  # the rest of the test process is collected as usual
