@@ -425,7 +425,7 @@ class Paths:
                     async for line in r.lines():
                         if s.ttft is not None and UNFINISHED in line:
                             continue  # a text delta after the first: nothing to read in it
-                        event = json.loads(line)  # the first text and the finish (see `lean`)
+                        event = json.loads(line)  # the first text and the finish (see `Paths`)
                         if s.ttft is None and event.get("text"):
                             s.ttft = time.perf_counter() - t0
                         if (finish := event.get("finish_reason")) is not None:

@@ -295,21 +295,30 @@ class WorkerPool:
 
     def _grant(self) -> None:
         """Hand free worker slots to the queue in order; make room for its head if none."""
-        while self._slot_queue:
-            replica, fut = self._slot_queue[0]
-            if fut.done():
-                self._slot_queue.popleft()
-                continue
+        while (replica := self._queue_head()) is not None:
             source: object | None = self.warm.claim(replica.deployment)
             if source is None and self._processes() < self.max_workers:
                 source = _START
             if source is None:
                 self._make_room(replica)
                 return
-            self._slot_queue.popleft()
-            replica.state = ReplicaState.COLD  # holds its slot from now on
-            fut.set_result(source)
+            self._give_slot(source)
         self.warm.refill()
+
+    def _queue_head(self) -> Replica | None:
+        """The first replica still waiting for a slot (withdrawn ones are dropped)."""
+        while self._slot_queue:
+            replica, fut = self._slot_queue[0]
+            if not fut.done():
+                return replica
+            self._slot_queue.popleft()
+        return None
+
+    def _give_slot(self, source: object) -> None:
+        """``source`` to the queue's head (call :meth:`_queue_head` first)."""
+        replica, fut = self._slot_queue.popleft()
+        replica.state = ReplicaState.COLD  # holds its slot from now on
+        fut.set_result(source)
 
     def _make_room(self, waiting: Replica) -> None:
         if self._evicting or self._closing:
@@ -415,24 +424,17 @@ class WorkerPool:
         """Give a just-unloaded worker to the first cold start waiting for a slot: an
         eviction swaps models in one process (no process start; the evicted model stays in
         its host tier) even when no idle workers are kept."""
-        while self._slot_queue:
-            replica, fut = self._slot_queue.popleft()
-            if fut.done():
-                continue
-            replica.state = ReplicaState.COLD  # holds its slot from now on
-            fut.set_result(idle)
-            return True
-        return False
-
-    def _slot_wanted(self) -> bool:
-        return any(not fut.done() for _, fut in self._slot_queue)
+        if self._queue_head() is None:
+            return False
+        self._give_slot(idle)
+        return True
 
     async def _unload(self, replica: Replica) -> WorkerInfo | None:
         """Unload the replica's model so its worker can idle or serve a queued cold start;
         None: stop the worker instead."""
         worker = replica.worker
         if (
-            (self.warm.target == 0 and not self._slot_wanted())
+            (self.warm.target == 0 and self._queue_head() is None)
             or self._closing
             or worker is None
             or replica.load is None
