@@ -9,6 +9,8 @@ torch path and FlashInfer, in one table, then the kernel tests on CUDA.
    - ``copy``: ``dst.copy_(logits)``; its bandwidth counts the bytes read and written;
    - ``kernel``: ``triton_sample`` alone, parameters already on the device; its GB/s is one
      read of the logits per call, the physical limit, compared with the copy bandwidth;
+   - ``whole-row``: the same with ``slots=0``, every top_k and top_p search over the whole
+     row instead of the row's candidates (the kernel before them), for the mixes that search;
    - ``sample``: ``sample(..., backend="triton")``, parameters uploaded and results copied to
      the host (what the engine pays);
    - ``torch``: ``sample(..., backend="torch")`` on the GPU (sorts top-p rows);
@@ -186,6 +188,9 @@ def measure(logits: torch.Tensor, mix: Mix, copy: float, notes: set[str]) -> str
     ]
     params = kernel_params(b, mix)
     kernel_ms = median_ms(lambda: triton_sample(logits, *params))
+    whole = "n/a"
+    if mix.top_k or mix.top_p < 1.0:
+        whole = f"{median_ms(lambda: triton_sample(logits, *params, slots=0)) * 1e3:.1f}"
     sample_ms = median_ms(lambda: sample(logits, rows, backend="triton"))
     torch_ms = median_ms(lambda: sample(logits, rows, backend="torch"))
     fi = "n/a"
@@ -198,14 +203,18 @@ def measure(logits: torch.Tensor, mix: Mix, copy: float, notes: set[str]) -> str
     gbps = logits.numel() * logits.element_size() / (kernel_ms * 1e-3) / 1e9
     return (
         f"{b:>4} {v:>7} {mix.name:<20} {copy:>9.0f} {kernel_ms * 1e3:>9.1f} {gbps:>7.0f} "
-        f"{100 * gbps / copy:>5.0f}% {sample_ms * 1e3:>9.1f} {torch_ms * 1e3:>9.1f} {fi:>13}"
+        f"{100 * gbps / copy:>5.0f}% {whole:>13} {sample_ms * 1e3:>9.1f} {torch_ms * 1e3:>9.1f} "
+        f"{fi:>13}"
     )
 
 
 def bench(shapes: list[tuple[int, int]], mixes: list[Mix]) -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; medians, L2 flushed")
     head = f"{'B':>4} {'V':>7} {'mix':<20} {'copy GB/s':>9} {'kernel us':>9} {'GB/s':>7}"
-    print(f"{head} {'% copy':>6} {'sample us':>9} {'torch us':>9} {'flashinfer us':>13}")
+    print(
+        f"{head} {'% copy':>6} {'whole-row us':>13} {'sample us':>9} {'torch us':>9} "
+        f"{'flashinfer us':>13}"
+    )
     notes: set[str] = set()
     for b, v in shapes:
         logits = lm_like_logits(b, v)
@@ -229,7 +238,7 @@ def sweep(b: int = 256, v: int = 128256) -> tuple[int, int, bool]:
     import triton
     import triton.language as tl
 
-    from hotpool.kernels.triton_sampling import _GREEDY_BELOW, _sample_kernel
+    from hotpool.kernels.triton_sampling import _GREEDY_BELOW, GPU_SLOTS, _sample_kernel
 
     @triton.jit
     def row_sum(x_ptr, out_ptr, V, BLOCK: tl.constexpr):
@@ -251,9 +260,11 @@ def sweep(b: int = 256, v: int = 128256) -> tuple[int, int, bool]:
 
     def sample_call(block: int, warps: int, prefetch: bool, mix: Mix) -> Callable[[], object]:
         p = kernel_params(b, mix)
+        slots = min(GPU_SLOTS, triton.cdiv(v, block))  # as the wrapper chooses
+        candidates = torch.empty(b, slots * block, device="cuda")
         return lambda: _sample_kernel[(b,)](
-            logits, logits.stride(0), *p, tokens, logprobs, b, v,
-            GREEDY_BELOW=_GREEDY_BELOW, BLOCK=block, ROWS=1, PREFETCH=prefetch,
+            logits, logits.stride(0), *p, tokens, logprobs, candidates, b, v,
+            GREEDY_BELOW=_GREEDY_BELOW, BLOCK=block, ROWS=1, SLOTS=slots, PREFETCH=prefetch,
             num_warps=warps,
         )  # fmt: skip
 

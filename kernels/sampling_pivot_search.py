@@ -31,9 +31,11 @@ def any_row(mask):
 
 
 @triton.jit
-def load_tile(base, idx, row_ok, V):
-    """The tile ``[ROWS, BLOCK]`` at columns ``idx`` ``[1, BLOCK]``, -inf outside, float32."""
-    mask = row_ok[:, None] & (idx < V)
+def load_tile(base, idx, row_ok, limit):
+    """The tile ``[ROWS, BLOCK]`` at columns ``idx`` ``[1, BLOCK]``, -inf at or past
+    ``limit`` (the row length, or a limit per lane: see ``sampling_candidates.view``) and in
+    rows not in ``row_ok``, float32."""
+    mask = row_ok[:, None] & (idx < limit)
     return tl.load(base + idx, mask=mask, other=float("-inf")).to(tl.float32)
 
 
@@ -65,7 +67,8 @@ def tile_bound(vals, w, c):
 def threshold(
     base,
     row_ok,
-    V,
+    N,
+    limit,
     lo,
     hi,
     c,
@@ -80,7 +83,8 @@ def threshold(
 ):
     """Per row, the smallest logit ``v`` in ``[lo, hi]`` whose surviving tokens above it
     count (``BY_MASS`` False) or weigh less than ``c``; ``v = hi`` must qualify, ``c > 0``.
-    Rows with ``lo > hi`` are left out and get ``hi``.
+    Rows with ``lo > hi`` are left out and get ``hi``. Each step reads positions ``[0, N)``
+    before ``limit`` (``load_tile``): a whole row, or its candidates.
 
     The answer is a logit in ``[lo, hb]`` or ``hi``: a pivot that qualifies moves ``hi`` to
     the smallest logit >= it and ``hb`` to the largest below it, one that fails moves ``lo``
@@ -108,8 +112,8 @@ def threshold(
         above_l = tl.full([ROWS, BLOCK], float("inf"), tl.float32)  # smallest logit > p
         at_or_above_l = tl.full([ROWS, BLOCK], float("inf"), tl.float32)  # smallest >= p
         below_l = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)  # largest logit < p
-        for start in range(0, V, BLOCK):
-            x = load_tile(base, start + cols, row_ok, V)
+        for start in range(0, N, BLOCK):
+            x = load_tile(base, start + cols, row_ok, limit)
             keep, w = survives(x, m2, inv_t2, vk2, min_p2)
             gt = keep & (x > p2)
             if BY_MASS:

@@ -30,21 +30,31 @@ below a lane maximum at which the lane maxima alone weigh top_p are all cut. The
 halves an interval of float32 bit patterns, hence at most ~33 passes per filter; rows with
 few distinct logits in the bracket finish in a handful.
 
-Passes per row: greedy and temperature-only rows read the row once, plus the chosen lane;
-filtered rows read it once for the max and normaliser, once per bisection step, once for
-the top_p mass and once for the lanes' kept weights. Every pass keeps running values per
-lane of the tile and reduces across the tile once, after the pass. Rows holding a NaN or
-+inf, or no finite logit, get token ``-1`` and logprob NaN (the wrapper does not look,
-which would wait for the device; ``sample`` raises on -1).
+The passes of the search read the row's candidates, not the row
+(``hotpool.kernels.sampling_candidates``): from the first pass alone each row gets a cut
+below which nothing can be kept (the bounds above, and for top_p also ``(1 - top_p) / V`` of
+the mass, for min_p ``m + T log(min_p)``), and one more pass copies the logits at or above
+it into a few slots per lane of scratch memory. Typical rows keep tens to thousands of
+candidates out of 128K, which the search then reads from cache. A row without a cut (top_k
+over more tokens than there are lanes) or with a lane holding more candidates than its slots
+(the flattest top_p rows) is searched over the whole row, with the same result.
+
+Passes over each row: greedy and temperature-only rows read it once, plus the chosen lane;
+top_k and top_p rows twice (the first pass and the gathering), plus the chosen lane; min_p
+alone twice; rows searched over the whole row once per bisection step on top. Every pass
+keeps running values per lane of the tile and reduces across the tile once, after the pass.
+Rows holding a NaN or +inf, or no finite logit, get token ``-1`` and logprob NaN (the
+wrapper does not look, which would wait for the device; ``sample`` raises on -1).
 
 A program handles ``ROWS`` rows as one ``[ROWS, BLOCK]`` tile, every per-row decision a mask.
 On a GPU that is one row per program, ``GPU_BLOCK`` wide, with the next tile's loads issued
 before the current one is worked on (``PREFETCH``); in the CPU interpreter
 (``TRITON_INTERPRET=1``), which runs programs one after another in Python but each tile op
 in numpy, hundreds of rows share a program and a launch of 20,000 rows takes seconds
-instead of minutes. Measured on an H200 (``benchmarks/gpu_kernels.py``, docs/gpu_kernels.md):
-at B=256, V=128256 fp32, a greedy batch takes 56 us (60% of the copy bandwidth), a
-temperature-only one 67 us (50%), top_p=0.9 1.0 ms (the bisection's passes).
+instead of minutes. Measured on an H200 (``benchmarks/gpu_kernels.py``, docs/gpu_kernels.md)
+before the candidates: at B=256, V=128256 fp32, a greedy batch takes 56 us (60% of the copy
+bandwidth), a temperature-only one 67 us (50%), top_p=0.9 1.0 ms (a bisection pass over
+every row per step); the candidates are not measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hotpool.kernels.sampling_candidates import gather, kept_mass, lane_weights, view
 from hotpool.kernels.sampling_pivot_search import (
     any_row,
     load_tile,
@@ -77,6 +88,16 @@ GPU_WARPS = 16
 GPU_PREFETCH = True
 # Elements of one [ROWS, BLOCK] tile in the interpreter, where wide tiles are cheap.
 _CPU_TILE = 2**17
+# Candidate slots per lane (``sampling_candidates``): a row whose lane holds more logits above
+# its cut is searched over the whole row. At 2048 lanes, 16 slots hold the top_k candidates
+# of any k up to a few thousand, and top_p ones of all but the flattest rows (measured on
+# rows shaped like a language model's: at T=1, top_p=0.9 about one row in six overflows).
+# Scratch: SLOTS * BLOCK float32 per row (128 KB; 32 MB at B=256), mostly never touched.
+GPU_SLOTS = 16
+_CPU_SLOTS = 16
+# Logit cuts derived from weights sit this far lower (a factor e^0.7 ~ 2 in weight), so that
+# rounding in exp or log never puts a kept token below its row's cut.
+_SLACK = tl.constexpr(0.7)
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -134,11 +155,13 @@ def _sample_kernel(
     offset_ptr,
     token_ptr,
     logprob_ptr,
+    cand_ptr,
     B,
     V,
     GREEDY_BELOW: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
+    SLOTS: tl.constexpr,
     PREFETCH: tl.constexpr = False,
     CHUNK: tl.constexpr = 32,
 ):
@@ -158,17 +181,18 @@ def _sample_kernel(
     plain = ~greedy & ~filtered
     inv_t = 1.0 / tl.maximum(t, GREEDY_BELOW)
     inv_t2 = inv_t[:, None]
-    any_plain = any_row(plain)
     any_filtered = any_row(filtered)
+    any_mass = any_row(plain | p_on)  # rows that need the mass at T from the first pass
+    cbase = (cand_ptr + rows.to(tl.int64) * (SLOTS * BLOCK))[:, None]  # the candidate slots
 
     # Pass 1: raw max and normaliser (online), argmax, smallest finite logit (filtered rows),
-    # and for temperature-only rows each lane's weight at T. Every lane of the tile keeps its
-    # own running values and the row is reduced once after the loop: a reduction across the
-    # tile in every step would cost more than the step's loads. A NaN makes the normaliser
-    # NaN and +inf the max +inf, which is how such rows are found.
+    # and for temperature-only and top_p rows each lane's weight at T. Every lane of the tile
+    # keeps its own running values and the row is reduced once after the loop: a reduction
+    # across the tile in every step would cost more than the step's loads. A NaN makes the
+    # normaliser NaN and +inf the max +inf, which is how such rows are found.
     m_l = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)  # each lane's max
     s_l = tl.zeros([ROWS, BLOCK], tl.float32)  # sum of exp(x - m_l)
-    st_l = tl.zeros([ROWS, BLOCK], tl.float32)  # sum of exp((x - m_l) / T), plain rows
+    st_l = tl.zeros([ROWS, BLOCK], tl.float32)  # sum of exp((x - m_l) / T)
     best_l = tl.zeros([ROWS, BLOCK], tl.int32)  # where m_l is, first occurrence
     xmin_l = tl.full([ROWS, BLOCK], float("inf"), tl.float32)
     x = load_tile(base, cols, row_ok, V)
@@ -184,7 +208,7 @@ def _sample_kernel(
         some = x != float("-inf")  # NaN included: exp(NaN) poisons the sum
         e = tl.where(some, tl.exp(d), 0.0)
         s_l = tl.where(up, s_l * e + 1.0, s_l + e)
-        if any_plain:
+        if any_mass:
             e = tl.where(some, tl.exp(d * inv_t2), 0.0)
             st_l = tl.where(up, st_l * e + 1.0, st_l + e)
         best_l = tl.where(up, idx, best_l)
@@ -210,51 +234,116 @@ def _sample_kernel(
     todo = filtered & valid
     if any_row(todo):
         mt = m_safe
+        mt2, xmin2, min_p2 = mt[:, None], xmin[:, None], min_p[:, None]
         # The lanes' maxima are real logits, each of another token: they bound both
         # thresholds from below, so the searches start close to them.
         tops = tl.where(valid[:, None], m_l, float("-inf"))
         vk = xmin
         k_todo = k_on & todo
+        p_todo = p_on & todo
+        kf = k.to(tl.float32)
+        # Where each row's kept tokens can start at the lowest, from what is in registers:
+        # the rows' candidates are the logits at or above it (``sampling_candidates``).
+        cut = tl.full([ROWS], float("-inf"), tl.float32)
+        kth = cut
         if any_row(k_todo):
             # k lanes hold a logit >= the k-th largest lane maximum, so the k-th largest
-            # logit is no smaller (k > BLOCK: no bound).
-            kf = k.to(tl.float32)
+            # logit is no smaller (fewer than k finite lanes: no bound).
             kth = tile_bound(tops, (tops > float("-inf")).to(tl.float32), kf)
-            lo = tl.where(k_todo, tl.maximum(xmin, kth), float("inf"))
+            cut = tl.where(k_todo, kth, cut)
+        p_only = p_todo & ~k_on
+        if any_row(p_only):
+            # top_p cuts a token when the tokens heavier than it weigh top_p of the
+            # survivors' mass M. The whole row's mass at T, ``st``, is at least M: tokens
+            # below a lane maximum at which the lane maxima weigh top_p * st are cut. So is a
+            # token weighing under (1 - top_p) * M / V: the tokens at or below it cannot
+            # weigh 1 - top_p of M. M is ``st`` without min_p and at least 1 (the top token)
+            # with it. Logit cuts from weights keep a margin of 2x for rounding (``_SLACK``).
+            st = tl.sum(st_l * tl.exp((m_l - mt2) * inv_t2), axis=1)
+            keep, w = survives(tops, mt2, inv_t2, xmin2, min_p2)
+            by_tops = tile_bound(tops, tl.where(keep, w, 0.0), top_p * st * 1.001)
+            least = tl.where(min_p > 0.0, 1.0, st) * (1.0 - top_p) / V
+            by_v = mt + (tl.log(tl.maximum(least, 1e-38)) - _SLACK) / inv_t
+            cut = tl.where(p_only, tl.maximum(by_tops, by_v), cut)
+        # min_p keeps weights >= min_p: logits >= m + T * log(min_p).
+        by_min_p = mt + (tl.log(tl.maximum(min_p, 1e-38)) - _SLACK) / inv_t
+        search = k_todo | p_todo
+        cut = tl.where(search & (min_p > 0.0), tl.maximum(cut, by_min_p), cut)
+        gathered = search & (cut > float("-inf"))
+        fast = gathered
+        count = tl.zeros([ROWS, BLOCK], tl.int32)
+        mass_g = tl.zeros([ROWS], tl.float32)
+        if any_row(gathered):
+            count, mass_g = gather(
+                base, cbase, row_ok & gathered, V, cut, mt, inv_t, xmin, min_p,
+                any_row(p_only), BLOCK, ROWS, SLOTS, PREFETCH,
+            )  # fmt: skip
+            fast = gathered & (tl.max(count, axis=1) <= SLOTS)
+        n_c, lim_c = view(count, fast, BLOCK, SLOTS)
+        slow = search & ~fast  # no bound, or a lane overflowed: search the whole row
+        if any_row(k_todo):
+            lo = tl.maximum(xmin, kth)
             zero = tl.zeros([ROWS], tl.float32)
-            found = threshold(
-                base, row_ok, V, lo, mt, kf, mt, inv_t, xmin, zero, False, BLOCK, ROWS
-            )
+            found = mt
+            if any_row(k_todo & fast):
+                found = threshold(
+                    cbase, row_ok, n_c, lim_c, tl.where(k_todo & fast, lo, float("inf")),
+                    mt, kf, mt, inv_t, xmin, zero, False, BLOCK, ROWS,
+                )  # fmt: skip
+            if any_row(k_todo & slow):
+                whole = threshold(
+                    base, row_ok, V, V, tl.where(k_todo & slow, lo, float("inf")),
+                    mt, kf, mt, inv_t, xmin, zero, False, BLOCK, ROWS,
+                )  # fmt: skip
+                found = tl.where(slow, whole, found)
             vk = tl.where(k_todo, found, xmin)
         thr = vk
-        p_todo = p_on & todo
         if any_row(p_todo):
-            # The survivors' mass and smallest logit, where the top_p search starts.
-            mass_l = tl.zeros([ROWS, BLOCK], tl.float32)
-            lo_l = tl.full([ROWS, BLOCK], float("inf"), tl.float32)
-            for start in range(0, V, BLOCK):
-                x = load_tile(base, start + cols, row_ok, V)
-                keep, w = survives(x, mt[:, None], inv_t2, vk[:, None], min_p[:, None])
-                mass_l += tl.where(keep, w, 0.0)
-                lo_l = tl.minimum(lo_l, tl.where(keep, x, float("inf")))
-            mass = tl.sum(mass_l, axis=1)
+            # The survivors' mass and smallest logit, where the top_p search starts. A
+            # gathered row without top_k has its mass from the gathering pass (its
+            # survivors are not all candidates); with top_k they all are.
+            mass = mass_g
+            lowest = tl.full([ROWS], float("inf"), tl.float32)
+            if any_row(p_todo & fast):
+                mass_c, lowest = kept_mass(
+                    cbase, row_ok, n_c, lim_c, mt, inv_t, vk, min_p, BLOCK, ROWS
+                )
+                mass = tl.where(k_on, mass_c, mass_g)
+            if any_row(p_todo & slow):
+                mass_s, lowest_s = kept_mass(
+                    base, row_ok & slow, V, V, mt, inv_t, vk, min_p, BLOCK, ROWS
+                )
+                mass = tl.where(slow, mass_s, mass)
+                lowest = tl.where(slow, lowest_s, lowest)
             # Tokens below a surviving lane maximum at which the lane maxima alone already
             # weigh top_p of the mass (with a margin for rounding) all fall outside.
-            keep, w = survives(tops, mt[:, None], inv_t2, vk[:, None], min_p[:, None])
+            keep, w = survives(tops, mt2, inv_t2, vk[:, None], min_p2)
             bound = tile_bound(tops, tl.where(keep, w, 0.0), top_p * mass * 1.001)
-            lo = tl.where(p_todo, tl.maximum(tl.min(lo_l, axis=1), bound), float("inf"))
-            found = threshold(
-                base, row_ok, V, lo, mt, top_p * mass, mt, inv_t, vk, min_p, True, BLOCK, ROWS
-            )
+            lo = tl.where(p_todo, tl.maximum(lowest, bound), float("inf"))
+            found = vk
+            if any_row(p_todo & fast):
+                found = threshold(
+                    cbase, row_ok, n_c, lim_c, tl.where(fast, lo, float("inf")),
+                    mt, top_p * mass, mt, inv_t, vk, min_p, True, BLOCK, ROWS,
+                )  # fmt: skip
+            if any_row(p_todo & slow):
+                whole = threshold(
+                    base, row_ok, V, V, tl.where(slow, lo, float("inf")),
+                    mt, top_p * mass, mt, inv_t, vk, min_p, True, BLOCK, ROWS,
+                )  # fmt: skip
+                found = tl.where(slow, whole, found)
             thr = tl.where(p_todo, found, vk)
         thr = tl.where(todo, thr, float("-inf"))
         keep_p = tl.where(todo, min_p, 0.0)
-        # Each lane's weight of the kept tokens, for the draw.
+        # Each lane's weight of the kept tokens, for the draw: every kept token of a
+        # gathered row is one of its candidates, in the same lane.
         kw_l = tl.zeros([ROWS, BLOCK], tl.float32)
-        for start in range(0, V, BLOCK):
-            x = load_tile(base, start + cols, row_ok, V)
-            keep, w = survives(x, mt[:, None], inv_t2, thr[:, None], keep_p[:, None])
-            kw_l += tl.where(keep, w, 0.0)
+        if any_row(fast):
+            kw_l = lane_weights(cbase, row_ok, n_c, lim_c, mt, inv_t, thr, keep_p, BLOCK, ROWS)
+        whole_row = todo & ~fast  # min_p alone, and the rows searched over the whole row
+        if any_row(whole_row):
+            kw_w = lane_weights(base, row_ok & whole_row, V, V, mt, inv_t, thr, keep_p, BLOCK, ROWS)
+            kw_l = tl.where(whole_row[:, None], kw_w, kw_l)
         w_l = tl.where(todo[:, None], kw_l, w_l)
     draw = (plain & valid) | todo
     if any_row(draw):
@@ -317,6 +406,7 @@ def triton_sample(
     *,
     rows_per_program: int | None = None,
     block: int | None = None,
+    slots: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` ``[B, V]`` and its logprob: ``([B] int64,
     [B] float32)``, on the logits' device, without waiting for it. A row holding NaN or
@@ -327,7 +417,9 @@ def triton_sample(
     ``(seed, offset)`` and the row alone). Columns must be contiguous; rows may be strided.
     Parameter ranges are the caller's to check (``SamplingRow`` does).
     ``rows_per_program`` and ``block``, the tile width (powers of two, block >= 16; None:
-    chosen by device), change the speed only: no token depends on them.
+    chosen by device), change the speed only: no token depends on them. Nor does ``slots``,
+    the candidates a lane may hold (``sampling_candidates``; 0: every top_k and top_p row
+    is searched over the whole row; None: chosen by device).
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[1] == 0:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)
@@ -365,6 +457,14 @@ def triton_sample(
     rows = rows_per_program or _rows_per_program(b, block, on_gpu)
     if rows < 1 or rows & (rows - 1):
         raise ValueError(f"rows_per_program must be a power of two, got {rows}")
+    if slots is None:
+        slots = GPU_SLOTS if on_gpu else _CPU_SLOTS
+    elif slots < 0:
+        raise ValueError(f"slots must be >= 0, got {slots}")
+    # A lane of a row holds at most cdiv(V, block) logits: so many slots never overflow.
+    slots = min(slots, triton.cdiv(v, block))
+    # Written only where a row has candidates, read only where written: never cleared.
+    candidates = torch.empty(b, slots * block, dtype=torch.float32, device=dev)
     _sample_kernel[(triton.cdiv(b, rows),)](
         logits,
         logits.stride(0),
@@ -376,11 +476,13 @@ def triton_sample(
         offsets,
         tokens,
         logprobs,
+        candidates,
         b,
         v,
         GREEDY_BELOW=_GREEDY_BELOW,
         BLOCK=block,
         ROWS=rows,
+        SLOTS=slots,
         PREFETCH=GPU_PREFETCH if on_gpu else _CPU_PREFETCH,
         num_warps=max(1, min(GPU_WARPS, block // 256)) if rows == 1 else 4,
     )

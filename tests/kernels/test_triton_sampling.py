@@ -158,6 +158,59 @@ def test_loading_ahead_changes_no_token(monkeypatch: pytest.MonkeyPatch) -> None
     torch.testing.assert_close(after[1], before[1])
 
 
+def mixed_rows(b: int, v: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Rows from flat to peaked, some masked to -inf, some with ties, and every combination
+    of temperature, top_k, top_p and min_p that searches for a threshold."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(b, v, generator=g) * torch.linspace(0.2, 8.0, b)[:, None]
+    x[::7, ::3] = float("-inf")  # a grammar's mask
+    x[5::11, : v // 3] = 2.5  # a third of the row tied, near the top
+    p = params(b)
+    combos = [
+        (t, k, tp, mp)
+        for t in (0.3, 1.0, 2.5)
+        for k in (0, 3, 50, v // 2)
+        for tp in (1.0, 0.5, 0.9, 0.995)
+        for mp in (0.0, 0.01, 0.3)
+        if k or tp < 1.0
+    ]
+    for row in range(b):
+        t, k, tp, mp = combos[(row * 7) % len(combos)]
+        p[0][row], p[1][row], p[2][row], p[3][row] = t, k, tp, mp
+    return x.to(DEVICE), p
+
+
+@pytest.mark.parametrize("block", [16, 256])
+def test_searching_the_candidates_or_the_whole_row_draws_the_same_tokens(block: int) -> None:
+    """A top_k or top_p row is searched over its candidates, the logits at or above a cut
+    from the first pass (``sampling_candidates``), unless a lane holds more than its slots;
+    with no slots every row is searched over the whole row. A cut above a kept token would
+    move the threshold and so the draw; with one slot some rows overflow and some do not,
+    in one program. 16 lanes over 700 tokens: 44 per lane, 16 slots, flat rows overflow;
+    256 lanes: 3 per lane, 3 slots, none can."""
+    x, p = mixed_rows(96, 700)
+    base = triton_sample(x, *p, block=block)
+    for slots in (0, 1):
+        other = triton_sample(x, *p, block=block, slots=slots)
+        assert other[0].tolist() == base[0].tolist(), f"slots={slots}"
+        torch.testing.assert_close(other[1], base[1])
+    tokens, x = base[0].cpu(), x.cpu()
+    for row in range(x.shape[0]):  # and every token is inside its row's filtered set
+        kept = reference_probs(x[row], row_of(p, row)) > 0
+        # (tokens tied with the last one the reference keeps stay in the kernel: >=)
+        got = x[row, tokens[row]]
+        assert got >= x[row][kept].min(), f"row {row}: token {int(tokens[row])} is filtered out"
+
+
+def row_of(p: tuple[torch.Tensor, ...], row: int) -> SamplingRow:
+    return SamplingRow(
+        temperature=float(p[0][row]),
+        top_k=int(p[1][row]),
+        top_p=float(p[2][row]),
+        min_p=float(p[3][row]),
+    )
+
+
 @TILING
 def test_rows_longer_than_one_block(tiling: int | None) -> None:
     torch.manual_seed(5)
@@ -266,12 +319,12 @@ from hotpool.kernels.triton_sampling import _GREEDY_BELOW, _sample_kernel
 assert isinstance(_sample_kernel, triton.runtime.JITFunction)
 ptr = {"logits_ptr": "*fp32", "temperature_ptr": "*fp32", "top_k_ptr": "*i32",
        "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "seed_ptr": "*i64", "offset_ptr": "*i64",
-       "token_ptr": "*i64", "logprob_ptr": "*fp32"}
+       "token_ptr": "*i64", "logprob_ptr": "*fp32", "cand_ptr": "*fp32"}
 for dtype, block, prefetch in (("fp32", 1024, False), ("bf16", 64, True)):
     signature = {**ptr, "logits_ptr": "*" + dtype, "stride_row": "i32", "B": "i32", "V": "i32",
                  "GREEDY_BELOW": "constexpr", "BLOCK": "constexpr", "ROWS": "constexpr",
-                 "PREFETCH": "constexpr", "CHUNK": "constexpr"}
-    constexprs = {"GREEDY_BELOW": _GREEDY_BELOW, "BLOCK": block, "ROWS": 1,
+                 "SLOTS": "constexpr", "PREFETCH": "constexpr", "CHUNK": "constexpr"}
+    constexprs = {"GREEDY_BELOW": _GREEDY_BELOW, "BLOCK": block, "ROWS": 1, "SLOTS": 16,
                   "PREFETCH": prefetch, "CHUNK": 32}
     src = ASTSource(fn=_sample_kernel, signature=signature, constexprs=constexprs)
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]

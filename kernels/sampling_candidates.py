@@ -1,0 +1,103 @@
+"""The candidates of a filtered row: its logits that may survive top_k and top_p, gathered
+in one pass so that the threshold searches read them instead of the whole row.
+
+Each filter keeps an upper set of logits, and bounds on where those sets start come out of
+the first pass for free (``hotpool.kernels.triton_sampling``): a row's candidates are its
+logits at or above such a bound, ``cut``. One pass over the row copies them into the row's
+candidate slots, a ``[SLOTS, BLOCK]`` block of scratch memory in which lane ``l`` of the tile
+keeps its ``j``-th candidate at ``j * BLOCK + l``: every lane counts its own candidates in a
+register, so the pass needs nothing across the tile, and a lane's candidates stay in the
+row's order. A row with a lane holding more than ``SLOTS`` candidates overflows and is
+searched over the whole row instead.
+
+Seen through its slots (``view``), a row's candidates are a shorter row in which each column
+is the lane of the same column of the full row: the top_k and top_p searches, the survivors'
+mass and each lane's kept weight are the same functions over either, given a loop bound ``N``
+and a per-lane ``limit`` of the positions to read. On a GPU the slots of a row are a few
+kilobytes, written moments before and read from cache, where each step of the search over the
+full row streamed its ~0.5 MB from memory again.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from hotpool.kernels.sampling_pivot_search import load_tile, survives
+
+
+@triton.jit
+def gather(
+    base, cbase, row_ok, V, cut, m, inv_t, floor, min_p,
+    WANT_MASS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SLOTS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """Copy each row's logits ``>= cut`` into its slots at ``cbase`` ``[ROWS, 1]``; rows
+    not in ``row_ok`` copy nothing. Returns each lane's count of candidates ``[ROWS,
+    BLOCK]`` (past ``SLOTS``: the row overflowed, and only its first ``SLOTS`` per lane
+    were kept) and, with ``WANT_MASS``, each row's mass of the tokens that survive ``floor``
+    and ``min_p`` (the whole row's, not only its candidates')."""
+    cols = tl.arange(0, BLOCK)[None, :]
+    cut2, m2, inv_t2 = cut[:, None], m[:, None], inv_t[:, None]
+    floor2, min_p2 = floor[:, None], min_p[:, None]
+    count = tl.zeros([ROWS, BLOCK], tl.int32)
+    mass_l = tl.zeros([ROWS, BLOCK], tl.float32)
+    x = load_tile(base, cols, row_ok, V)
+    for start in range(0, V, BLOCK):
+        if PREFETCH:  # as in the first pass: the next tile's loads in flight meanwhile
+            x_next = load_tile(base, start + BLOCK + cols, row_ok, V)
+        else:
+            x = load_tile(base, start + cols, row_ok, V)
+        # Past the row's end x is -inf, below the gathered rows' finite cuts.
+        take = (x >= cut2) & row_ok[:, None]
+        tl.store(cbase + count * BLOCK + cols, x, mask=take & (count < SLOTS))
+        count += take.to(tl.int32)
+        if WANT_MASS:
+            keep, w = survives(x, m2, inv_t2, floor2, min_p2)
+            mass_l += tl.where(keep, w, 0.0)
+        if PREFETCH:
+            x = x_next
+    return count, tl.sum(mass_l, axis=1)
+
+
+@triton.jit
+def view(count, use, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
+    """The loop bound (a scalar) and per-lane limit ``[ROWS, BLOCK]`` that read the slots
+    of the rows in ``use`` (and nothing of the others) through ``load_tile``: position
+    ``j * BLOCK + l`` is read while ``j`` is below lane ``l``'s count."""
+    cols = tl.arange(0, BLOCK)[None, :]
+    held = tl.where(use[:, None], tl.minimum(count, SLOTS), 0)
+    return tl.max(tl.max(held, axis=1), axis=0) * BLOCK, held * BLOCK + cols
+
+
+@triton.jit
+def kept_mass(base, row_ok, N, limit, m, inv_t, vk, min_p, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Per row, the mass of the tokens that survive ``vk`` and ``min_p``, and the smallest
+    of their logits (where the top_p search starts), over a row or its candidates."""
+    cols = tl.arange(0, BLOCK)[None, :]
+    m2, inv_t2, vk2, min_p2 = m[:, None], inv_t[:, None], vk[:, None], min_p[:, None]
+    mass_l = tl.zeros([ROWS, BLOCK], tl.float32)
+    lo_l = tl.full([ROWS, BLOCK], float("inf"), tl.float32)
+    for start in range(0, N, BLOCK):
+        x = load_tile(base, start + cols, row_ok, limit)
+        keep, w = survives(x, m2, inv_t2, vk2, min_p2)
+        mass_l += tl.where(keep, w, 0.0)
+        lo_l = tl.minimum(lo_l, tl.where(keep, x, float("inf")))
+    return tl.sum(mass_l, axis=1), tl.min(lo_l, axis=1)
+
+
+@triton.jit
+def lane_weights(
+    base, row_ok, N, limit, m, inv_t, thr, min_p, BLOCK: tl.constexpr, ROWS: tl.constexpr
+):
+    """Each lane's weight of the kept tokens ``[ROWS, BLOCK]`` (those at or above ``thr``
+    that survive ``min_p``), over a row or its candidates: the same, as every kept token of
+    lane ``l`` is a candidate of lane ``l``."""
+    cols = tl.arange(0, BLOCK)[None, :]
+    m2, inv_t2, thr2, min_p2 = m[:, None], inv_t[:, None], thr[:, None], min_p[:, None]
+    kw_l = tl.zeros([ROWS, BLOCK], tl.float32)
+    for start in range(0, N, BLOCK):
+        x = load_tile(base, start + cols, row_ok, limit)
+        keep, w = survives(x, m2, inv_t2, thr2, min_p2)
+        kw_l += tl.where(keep, w, 0.0)
+    return kw_l
