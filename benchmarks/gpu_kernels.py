@@ -228,7 +228,36 @@ def bench(shapes: list[tuple[int, int]], mixes: list[Mix]) -> None:
 SWEEP_MIXES = [MIXES[0], MIXES[1], MIXES[3], MIXES[4]]
 
 
-def sweep(b: int = 256, v: int = 128256) -> tuple[int, int, bool]:
+@dataclass(frozen=True)
+class Launch:
+    """A launch shape of the sampling kernel: tile width, warps, load-ahead, and a cap on
+    registers per thread (None: ptxas chooses; 64 at 512 threads fits two programs per SM)."""
+
+    block: int
+    warps: int
+    prefetch: bool = True
+    maxnreg: int | None = None
+
+    def __str__(self) -> str:
+        cap = "-" if self.maxnreg is None else str(self.maxnreg)
+        return f"{self.block:>6} {self.warps:>5} {self.prefetch!s:>5} {cap:>6}"
+
+
+# Load-ahead won at every width in the last sweep (docs/gpu_kernels.md); the candidates
+# raised the kernel's registers from 64 to ~100 at 2048 x 16 (ptxas for sm_90 without a GPU:
+# 80 without spills, 64 with 84 bytes), so the capped shapes ask what two programs per SM buy.
+SWEEP_LAUNCHES = [
+    Launch(1024, 16),
+    Launch(2048, 8),
+    Launch(2048, 16),
+    Launch(2048, 16, maxnreg=64),
+    Launch(2048, 16, maxnreg=80),
+    Launch(2048, 16, prefetch=False),
+    Launch(4096, 16),
+]
+
+
+def sweep(b: int = 256, v: int = 128256) -> Launch | None:
     """The kernel's launch shape, tried directly: tile width ``BLOCK`` x ``num_warps``, one
     row per program, against a plain row-sum kernel of the same shape (the most one program
     per row can read), with the kernel's registers and spills. Returns the shape with the
@@ -255,47 +284,42 @@ def sweep(b: int = 256, v: int = 128256) -> tuple[int, int, bool]:
     logprobs = torch.empty(b, device="cuda")
     read_gb = logits.numel() * 4 / 1e9
 
-    def row_sum_call(block: int, warps: int) -> Callable[[], object]:
-        return lambda: row_sum[(b,)](logits, out, v, BLOCK=block, num_warps=warps)
+    def row_sum_call(shape: Launch) -> Callable[[], object]:
+        return lambda: row_sum[(b,)](logits, out, v, BLOCK=shape.block, num_warps=shape.warps)
 
-    def sample_call(block: int, warps: int, prefetch: bool, mix: Mix) -> Callable[[], object]:
+    def sample_call(shape: Launch, mix: Mix) -> Callable[[], object]:
         p = kernel_params(b, mix)
-        slots = min(GPU_SLOTS, triton.cdiv(v, block))  # as the wrapper chooses
-        candidates = torch.empty(b, slots * block, device="cuda")
+        slots = min(GPU_SLOTS, triton.cdiv(v, shape.block))  # as the wrapper chooses
+        candidates = torch.empty(b, slots * shape.block, device="cuda")
+        cap = {} if shape.maxnreg is None else {"maxnreg": shape.maxnreg}
         return lambda: _sample_kernel[(b,)](
             logits, logits.stride(0), *p, tokens, logprobs, candidates, b, v,
-            GREEDY_BELOW=_GREEDY_BELOW, BLOCK=block, ROWS=1, SLOTS=slots, PREFETCH=prefetch,
-            num_warps=warps,
+            GREEDY_BELOW=_GREEDY_BELOW, BLOCK=shape.block, ROWS=1, SLOTS=slots,
+            PREFETCH=shape.prefetch, num_warps=shape.warps, **cap,
         )  # fmt: skip
 
     print(f"\nsweep at B={b}, V={v} fp32: us per call (GB/s as one read of the logits)")
     names = ["regs/spills", "row-sum", *(m.name for m in SWEEP_MIXES)]
-    print(f"{'BLOCK':>6} {'warps':>5} {'ahead':>5} " + " ".join(f"{n:>18}" for n in names))
-    best: tuple[float, int, int, bool] = (math.inf, 0, 0, False)
-    for block, warps in ((1024, 8), (1024, 16), (2048, 8), (2048, 16), (4096, 16), (8192, 16)):
-        for prefetch in (False, True):
-            cells = []
-            try:
-                compiled = sample_call(block, warps, prefetch, SWEEP_MIXES[0])()
-                regs = getattr(compiled, "n_regs", "?"), getattr(compiled, "n_spills", "?")
-                cells.append(f"{regs[0]}/{regs[1]}")
-                logs = []
-                for call in (row_sum_call(block, warps), *(
-                    sample_call(block, warps, prefetch, m) for m in SWEEP_MIXES
-                )):  # fmt: skip
-                    ms = median_ms(call)
-                    cells.append(f"{ms * 1e3:.1f} ({read_gb / ms * 1e3:.0f})")
-                    logs.append(math.log(ms))
-                best = min(best, (sum(logs[1:]) / len(SWEEP_MIXES), block, warps, prefetch))
-            except Exception as e:  # a shape that does not compile: say so, go on
-                cells.append(f"{type(e).__name__}: {e}"[:60])
-            row = f"{block:>6} {warps:>5} {prefetch!s:>5} "
-            print(row + " ".join(f"{c:>18}" for c in cells))
-    print(
-        f"fastest over the mixes (geometric mean): BLOCK={best[1]}, num_warps={best[2]}, "
-        f"PREFETCH={best[3]}"
-    )
-    return best[1], best[2], best[3]
+    head = f"{'BLOCK':>6} {'warps':>5} {'ahead':>5} {'maxreg':>6} "
+    print(head + " ".join(f"{n:>18}" for n in names))
+    best: tuple[float, Launch | None] = (math.inf, None)
+    for shape in SWEEP_LAUNCHES:
+        cells = []
+        try:
+            compiled = sample_call(shape, SWEEP_MIXES[0])()
+            regs = getattr(compiled, "n_regs", "?"), getattr(compiled, "n_spills", "?")
+            cells.append(f"{regs[0]}/{regs[1]}")
+            logs = []
+            for call in (row_sum_call(shape), *(sample_call(shape, m) for m in SWEEP_MIXES)):
+                ms = median_ms(call)
+                cells.append(f"{ms * 1e3:.1f} ({read_gb / ms * 1e3:.0f})")
+                logs.append(math.log(ms))
+            best = min(best, (sum(logs[1:]) / len(SWEEP_MIXES), shape), key=lambda t: t[0])
+        except Exception as e:  # a shape that does not compile: say so, go on
+            cells.append(f"{type(e).__name__}: {e}"[:60])
+        print(f"{shape} " + " ".join(f"{c:>18}" for c in cells))
+    print(f"fastest over the mixes (geometric mean): {best[1]!r}")
+    return best[1]
 
 
 def main() -> None:
@@ -321,12 +345,16 @@ def main() -> None:
     # The numbers first: they are what the device time is for, and a test that hangs
     # cannot take them away.
     if args.sweep:
-        block, warps, prefetch = sweep()
-        if args.adopt and block:
-            triton_sampling.GPU_BLOCK, triton_sampling.GPU_WARPS = block, warps
-            triton_sampling.GPU_PREFETCH = prefetch
+        best = sweep()
+        if args.adopt and best is not None:
+            triton_sampling.GPU_BLOCK, triton_sampling.GPU_WARPS = best.block, best.warps
+            triton_sampling.GPU_PREFETCH = best.prefetch
+            triton_sampling.GPU_MAXNREG = best.maxnreg
     ts = triton_sampling
-    launch = f"BLOCK={ts.GPU_BLOCK}, num_warps={ts.GPU_WARPS}, PREFETCH={ts.GPU_PREFETCH}"
+    launch = (
+        f"BLOCK={ts.GPU_BLOCK}, num_warps={ts.GPU_WARPS}, PREFETCH={ts.GPU_PREFETCH}, "
+        f"maxnreg={ts.GPU_MAXNREG}"
+    )
     print(f"\nthe wrapper launches {launch}")
     bench(SHAPES[:1] if args.quick else SHAPES, MIXES)
     if not args.skip_tests:

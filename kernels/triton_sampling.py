@@ -86,6 +86,9 @@ _CPU_PREFETCH = False  # numpy gains nothing from loading ahead
 GPU_BLOCK = 2048
 GPU_WARPS = 16
 GPU_PREFETCH = True
+# A cap on registers per thread (None: ptxas chooses; ~100 at 2048 x 16 since the candidates,
+# one program per SM). ``benchmarks/gpu_kernels.py --sweep`` tries 64 (two per SM) and 80.
+GPU_MAXNREG: int | None = None
 # Elements of one [ROWS, BLOCK] tile in the interpreter, where wide tiles are cheap.
 _CPU_TILE = 2**17
 # Candidate slots per lane (``sampling_candidates``): a row whose lane holds more logits above
@@ -485,5 +488,6 @@ def triton_sample(
         SLOTS=slots,
         PREFETCH=GPU_PREFETCH if on_gpu else _CPU_PREFETCH,
         num_warps=max(1, min(GPU_WARPS, block // 256)) if rows == 1 else 4,
+        **({"maxnreg": GPU_MAXNREG} if on_gpu and GPU_MAXNREG else {}),
     )
     return tokens, logprobs
