@@ -302,27 +302,31 @@ def _sample_kernel(
             vk = tl.where(k_todo, found, xmin)
         thr = vk
         if any_row(p_todo):
-            # The survivors' mass and smallest logit, where the top_p search starts. A
-            # gathered row without top_k has its mass from the gathering pass (its
-            # survivors are not all candidates); with top_k they all are.
+            # The survivors' mass, and where the top_p search starts: their smallest logit,
+            # or the row's cut. Every row without top_k was gathered, and its mass (over the
+            # whole row: not all its survivors are candidates) came with the gathering; with
+            # top_k, a gathered row's survivors are all candidates.
             mass = mass_g
-            lowest = tl.full([ROWS], float("inf"), tl.float32)
+            lowest = cut
             if any_row(p_todo & fast):
-                mass_c, lowest = kept_mass(
+                mass_c, lowest_c = kept_mass(
                     cbase, row_ok, n_c, lim_c, mt, inv_t, vk, min_p, BLOCK, ROWS
                 )
                 mass = tl.where(k_on, mass_c, mass_g)
-            if any_row(p_todo & slow):
+                lowest = tl.where(fast, lowest_c, lowest)
+            slow_k = p_todo & slow & k_on
+            if any_row(slow_k):
                 mass_s, lowest_s = kept_mass(
-                    base, row_ok & slow, V, V, mt, inv_t, vk, min_p, BLOCK, ROWS
+                    base, row_ok & slow_k, V, V, mt, inv_t, vk, min_p, BLOCK, ROWS
                 )
-                mass = tl.where(slow, mass_s, mass)
-                lowest = tl.where(slow, lowest_s, lowest)
+                mass = tl.where(slow_k, mass_s, mass)
+                lowest = tl.where(slow_k, lowest_s, lowest)
             # Tokens below a surviving lane maximum at which the lane maxima alone already
             # weigh top_p of the mass (with a margin for rounding) all fall outside.
             keep, w = survives(tops, mt2, inv_t2, vk[:, None], min_p2)
             bound = tile_bound(tops, tl.where(keep, w, 0.0), top_p * mass * 1.001)
-            lo = tl.where(p_todo, tl.maximum(lowest, bound), float("inf"))
+            lo = tl.maximum(tl.maximum(lowest, bound), cut)
+            lo = tl.where(p_todo, lo, float("inf"))
             found = vk
             if any_row(p_todo & fast):
                 found = threshold(
