@@ -7,8 +7,9 @@ torch path and FlashInfer, in one table, then the kernel tests on CUDA.
 2. For each shape and mix of rows, the median time (``triton.testing.do_bench``: CUDA events,
    warm-ups, the L2 cache flushed before each call) of
    - ``copy``: ``dst.copy_(logits)``; its bandwidth counts the bytes read and written;
-   - ``kernel``: ``triton_sample`` alone, parameters already on the device; its GB/s is one
-     read of the logits per call, the physical limit, compared with the copy bandwidth;
+   - ``kernel``: ``triton_sample`` alone, parameters already on the device, compiled without
+     the filters for the mixes that have none (as ``sample`` asks); its GB/s is one read of
+     the logits per call, the physical limit, compared with the copy bandwidth;
    - ``whole-row``: the same with ``slots=0``, every top_k and top_p search over the whole
      row instead of the row's candidates (the kernel before them), for the mixes that search;
    - ``sample``: ``sample(..., backend="triton")``, parameters uploaded and results copied to
@@ -55,6 +56,10 @@ class Mix:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+
+    @property
+    def filters(self) -> bool:  # what ``sample`` tells the kernel: whether to compile them in
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
     @property
     def flashinfer(self) -> bool:  # what top_k_top_p_sampling_from_logits computes
@@ -187,7 +192,7 @@ def measure(logits: torch.Tensor, mix: Mix, copy: float, notes: set[str]) -> str
         for i in range(b)
     ]
     params = kernel_params(b, mix)
-    kernel_ms = median_ms(lambda: triton_sample(logits, *params))
+    kernel_ms = median_ms(lambda: triton_sample(logits, *params, filters=mix.filters))
     whole = "n/a"
     if mix.top_k or mix.top_p < 1.0:
         whole = f"{median_ms(lambda: triton_sample(logits, *params, slots=0)) * 1e3:.1f}"
@@ -295,7 +300,7 @@ def sweep(b: int = 256, v: int = 128256) -> Launch | None:
         return lambda: _sample_kernel[(b,)](
             logits, logits.stride(0), *p, tokens, logprobs, candidates, b, v,
             GREEDY_BELOW=_GREEDY_BELOW, BLOCK=shape.block, ROWS=1, SLOTS=slots,
-            PREFETCH=shape.prefetch, num_warps=shape.warps, **cap,
+            PREFETCH=shape.prefetch, FILTERS=mix.filters, num_warps=shape.warps, **cap,
         )  # fmt: skip
 
     print(f"\nsweep at B={b}, V={v} fp32: us per call (GB/s as one read of the logits)")
@@ -306,7 +311,7 @@ def sweep(b: int = 256, v: int = 128256) -> Launch | None:
     for shape in SWEEP_LAUNCHES:
         cells = []
         try:
-            compiled = sample_call(shape, SWEEP_MIXES[0])()
+            compiled = sample_call(shape, SWEEP_MIXES[2])()  # with the filters compiled in
             regs = getattr(compiled, "n_regs", "?"), getattr(compiled, "n_spills", "?")
             cells.append(f"{regs[0]}/{regs[1]}")
             logs = []

@@ -165,8 +165,10 @@ def _sample_triton(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Sampler
     if x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()
     k = kernel_params(rows, dev)
+    # Known here, on the host: a batch without filters runs the kernel without their code.
+    filters = any(r.top_k > 0 or r.top_p < 1.0 or r.min_p > 0.0 for r in rows)
     tokens, logprobs = kernels.triton_sample(
-        x, k.temperature, k.top_k, k.top_p, k.min_p, k.seeds, k.offsets
+        x, k.temperature, k.top_k, k.top_p, k.min_p, k.seeds, k.offsets, filters=filters
     )
     n = _num_logprobs(rows, logits.shape[1])
     top = None

@@ -86,8 +86,8 @@ _CPU_PREFETCH = False  # numpy gains nothing from loading ahead
 GPU_BLOCK = 2048
 GPU_WARPS = 16
 GPU_PREFETCH = True
-# A cap on registers per thread (None: ptxas chooses; ~100 at 2048 x 16 since the candidates,
-# one program per SM). ``benchmarks/gpu_kernels.py --sweep`` tries 64 (two per SM) and 80.
+# A cap on registers per thread (None: ptxas chooses: 99 at 2048 x 16 with the filters, one
+# program per SM; 64 without). ``benchmarks/gpu_kernels.py --sweep`` tries 64 and 80.
 GPU_MAXNREG: int | None = None
 # Elements of one [ROWS, BLOCK] tile in the interpreter, where wide tiles are cheap.
 _CPU_TILE = 2**17
@@ -167,6 +167,7 @@ def _sample_kernel(
     SLOTS: tl.constexpr,
     PREFETCH: tl.constexpr = False,
     CHUNK: tl.constexpr = 32,
+    FILTERS: tl.constexpr = True,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < B
@@ -178,9 +179,11 @@ def _sample_kernel(
     top_p = tl.load(top_p_ptr + rows, mask=row_ok, other=1.0)
     min_p = tl.load(min_p_ptr + rows, mask=row_ok, other=0.0)
     greedy = (t < GREEDY_BELOW) | (k == 1)
-    k_on = (k > 0) & (k < V) & ~greedy
-    p_on = (top_p < 1.0) & ~greedy
-    filtered = k_on | p_on | ((min_p > 0.0) & ~greedy)
+    # FILTERS False: the caller promises no row has top_k, top_p or min_p, and the filters'
+    # code is compiled out (fewer registers: two programs per SM where one fits otherwise).
+    k_on = (k > 0) & (k < V) & ~greedy & FILTERS
+    p_on = (top_p < 1.0) & ~greedy & FILTERS
+    filtered = k_on | p_on | ((min_p > 0.0) & ~greedy & FILTERS)
     plain = ~greedy & ~filtered
     inv_t = 1.0 / tl.maximum(t, GREEDY_BELOW)
     inv_t2 = inv_t[:, None]
@@ -235,7 +238,7 @@ def _sample_kernel(
     thr = tl.full([ROWS], float("-inf"), tl.float32)
     keep_p = tl.zeros([ROWS], tl.float32)
     todo = filtered & valid
-    if any_row(todo):
+    if FILTERS and any_row(todo):
         mt = m_safe
         mt2, xmin2, min_p2 = mt[:, None], xmin[:, None], min_p[:, None]
         # The lanes' maxima are real logits, each of another token: they bound both
@@ -414,6 +417,7 @@ def triton_sample(
     rows_per_program: int | None = None,
     block: int | None = None,
     slots: int | None = None,
+    filters: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` ``[B, V]`` and its logprob: ``([B] int64,
     [B] float32)``, on the logits' device, without waiting for it. A row holding NaN or
@@ -426,7 +430,10 @@ def triton_sample(
     ``rows_per_program`` and ``block``, the tile width (powers of two, block >= 16; None:
     chosen by device), change the speed only: no token depends on them. Nor does ``slots``,
     the candidates a lane may hold (``sampling_candidates``; 0: every top_k and top_p row
-    is searched over the whole row; None: chosen by device).
+    is searched over the whole row; None: chosen by device). ``filters=False`` promises that
+    no row has top_k, top_p or min_p (checked by the caller on the host, where the rows are:
+    here it would wait for the device): the kernel is then compiled without their code, with
+    fewer registers; a row that has them anyway is sampled at its temperature alone.
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[1] == 0:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)
@@ -490,6 +497,7 @@ def triton_sample(
         BLOCK=block,
         ROWS=rows,
         SLOTS=slots,
+        FILTERS=filters,
         PREFETCH=GPU_PREFETCH if on_gpu else _CPU_PREFETCH,
         num_warps=max(1, min(GPU_WARPS, block // 256)) if rows == 1 else 4,
         **({"maxnreg": GPU_MAXNREG} if on_gpu and GPU_MAXNREG else {}),

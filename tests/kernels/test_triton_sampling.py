@@ -202,6 +202,20 @@ def test_searching_the_candidates_or_the_whole_row_draws_the_same_tokens(block: 
         assert got >= x[row][kept].min(), f"row {row}: token {int(tokens[row])} is filtered out"
 
 
+def test_a_batch_without_filters_draws_the_same_from_the_kernel_without_them() -> None:
+    """``filters=False`` (``sample`` passes it when no row has top_k, top_p or min_p)
+    compiles the filters out; greedy and temperature-only rows draw the same tokens."""
+    torch.manual_seed(9)
+    x = torch.randn(12, 2500) * 3
+    p = params(12, temperature=0.8)
+    p[0][::3] = 0.0
+    p[0][1::3] = 1.7
+    full = triton_sample(x.to(DEVICE), *p)
+    lean = triton_sample(x.to(DEVICE), *p, filters=False)
+    assert lean[0].tolist() == full[0].tolist()
+    torch.testing.assert_close(lean[1], full[1])
+
+
 def row_of(p: tuple[torch.Tensor, ...], row: int) -> SamplingRow:
     return SamplingRow(
         temperature=float(p[0][row]),
@@ -320,12 +334,14 @@ assert isinstance(_sample_kernel, triton.runtime.JITFunction)
 ptr = {"logits_ptr": "*fp32", "temperature_ptr": "*fp32", "top_k_ptr": "*i32",
        "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "seed_ptr": "*i64", "offset_ptr": "*i64",
        "token_ptr": "*i64", "logprob_ptr": "*fp32", "cand_ptr": "*fp32"}
-for dtype, block, prefetch in (("fp32", 1024, False), ("bf16", 64, True)):
+for dtype, block, prefetch, filters in (("fp32", 1024, False, True), ("bf16", 64, True, True),
+                                        ("fp32", 2048, True, False)):
     signature = {**ptr, "logits_ptr": "*" + dtype, "stride_row": "i32", "B": "i32", "V": "i32",
                  "GREEDY_BELOW": "constexpr", "BLOCK": "constexpr", "ROWS": "constexpr",
-                 "SLOTS": "constexpr", "PREFETCH": "constexpr", "CHUNK": "constexpr"}
+                 "SLOTS": "constexpr", "PREFETCH": "constexpr", "CHUNK": "constexpr",
+                 "FILTERS": "constexpr"}
     constexprs = {"GREEDY_BELOW": _GREEDY_BELOW, "BLOCK": block, "ROWS": 1, "SLOTS": 16,
-                  "PREFETCH": prefetch, "CHUNK": 32}
+                  "PREFETCH": prefetch, "CHUNK": 32, "FILTERS": filters}
     src = ASTSource(fn=_sample_kernel, signature=signature, constexprs=constexprs)
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 """
