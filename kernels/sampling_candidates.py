@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hotpool.kernels.sampling_pivot_search import load_tile, survives
+from hotpool.kernels.sampling_pivot_search import any_row, load_tile, survives
 
 
 @triton.jit
@@ -101,3 +101,60 @@ def lane_weights(
         keep, w = survives(x, m2, inv_t2, thr2, min_p2)
         kw_l += tl.where(keep, w, 0.0)
     return kw_l
+
+
+@triton.jit
+def narrow(
+    base, row_ok, V, lo, hi, k, by_count, need, m, inv_t, floor, min_p,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, SLOTS: tl.constexpr,
+    PIVOTS: tl.constexpr, ROUNDS: tl.constexpr,
+):  # fmt: skip
+    """Raise the cut ``lo`` of each row in ``row_ok`` (below every token it may keep)
+    until its candidates fit the slots. Each pass over the row tries ``PIVOTS`` cuts evenly
+    spaced in ``(lo, hi)`` at once and keeps the highest that is still below every kept
+    token: one with at least ``k`` logits at or above it (rows ``by_count``: top_k keeps
+    at least the k largest), or with the survivors of ``floor`` and ``min_p`` at or above it
+    weighing at least ``need`` (top_p: every token below it is cut). A row stops once no lane
+    holds more than ``SLOTS`` logits at or above its cut, once a lane holds more than that of
+    the tokens it surely keeps (above a pivot that failed), or after ``ROUNDS`` passes.
+    Returns the cuts and whether they fit. ``hi`` only places the pivots: a row's highest
+    logit, lowered to the first pivot that failed."""
+    cols = tl.arange(0, BLOCK)[None, :]
+    js = tl.arange(0, PIVOTS)[None, :]
+    m2, inv_t2, floor2, min_p2 = m[:, None], inv_t[:, None], floor[:, None], min_p[:, None]
+    active = row_ok
+    fits = lo != lo  # all False
+    for _ in range(ROUNDS):
+        if any_row(active):
+            q = lo[:, None] + (hi - lo)[:, None] * ((js + 1).to(tl.float32) / (PIVOTS + 1))
+            q3 = q[:, :, None]
+            count = tl.zeros([ROWS, PIVOTS, BLOCK], tl.int32)
+            mass = tl.zeros([ROWS, PIVOTS, BLOCK], tl.float32)
+            for start in range(0, V, BLOCK):
+                x = load_tile(base, start + cols, active, V)
+                above = x[:, None, :] >= q3
+                count += above.to(tl.int32)
+                keep, w = survives(x, m2, inv_t2, floor2, min_p2)
+                mass += tl.where(above & keep[:, None, :], w[:, None, :], 0.0)
+            total = tl.sum(count, axis=2).to(tl.float32)  # [ROWS, PIVOTS]
+            widest = tl.max(count, axis=2)
+            weight = tl.sum(mass, axis=2)
+            ok = tl.where(by_count[:, None], total >= k[:, None], weight >= need[:, None])
+            # The pivots that qualify, counted from the lowest up to the first that does not
+            # (whatever rounding does to the sums, the cut only takes a qualifying one).
+            n_ok = tl.sum((tl.cumsum(ok.to(tl.int32), axis=1) == js + 1).to(tl.int32), axis=1)
+            best = js == (n_ok - 1)[:, None]
+            raised = n_ok > 0
+            new_lo = tl.where(raised, tl.sum(tl.where(best, q, 0.0), axis=1), lo)
+            first_failed = js == n_ok[:, None]
+            some_failed = n_ok < PIVOTS
+            new_hi = tl.where(some_failed, tl.sum(tl.where(first_failed, q, 0.0), axis=1), hi)
+            done = active & raised & (tl.sum(tl.where(best, widest, 0), axis=1) <= SLOTS)
+            # The tokens above a pivot that failed are all kept (give or take the margin of
+            # ``need``): where a lane holds more of them than its slots, no cut can fit.
+            hopeless = some_failed & (tl.sum(tl.where(first_failed, widest, 0), axis=1) > SLOTS)
+            lo = tl.where(active, new_lo, lo)
+            hi = tl.where(active, new_hi, hi)
+            fits = fits | done
+            active = active & ~done & ~hopeless
+    return lo, fits

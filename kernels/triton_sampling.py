@@ -37,11 +37,14 @@ the mass, for min_p ``m + T log(min_p)``), and one more pass copies the logits a
 it into a few slots per lane of scratch memory. Typical rows keep tens to thousands of
 candidates out of 128K, which the search then reads from cache. A row without a cut (top_k
 over more tokens than there are lanes) or with a lane holding more candidates than its slots
-(the flattest top_p rows) is searched over the whole row, with the same result.
+(flat top_p rows) gets a higher cut from passes that try several at once
+(``sampling_candidates.narrow``) and is gathered again; one whose kept tokens alone overflow
+is searched over the whole row. Either way the result is the same.
 
 Passes over each row: greedy and temperature-only rows read it once, plus the chosen lane;
 top_k and top_p rows twice (the first pass and the gathering), plus the chosen lane; min_p
-alone twice; rows searched over the whole row once per bisection step on top. Every pass
+alone twice; a row gathered again two to five more; rows searched over the whole row once
+per bisection step on top (``benchmarks/sampler_traffic.py`` counts them). Every pass
 keeps running values per lane of the tile and reduces across the tile once, after the pass.
 Rows holding a NaN or +inf, or no finite logit, get token ``-1`` and logprob NaN (the
 wrapper does not look, which would wait for the device; ``sample`` raises on -1).
@@ -63,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hotpool.kernels.sampling_candidates import gather, kept_mass, lane_weights, view
+from hotpool.kernels.sampling_candidates import gather, kept_mass, lane_weights, narrow, view
 from hotpool.kernels.sampling_pivot_search import (
     any_row,
     load_tile,
@@ -101,6 +104,10 @@ _CPU_SLOTS = 16
 # Logit cuts derived from weights sit this far lower (a factor e^0.7 ~ 2 in weight), so that
 # rounding in exp or log never puts a kept token below its row's cut.
 _SLACK = tl.constexpr(0.7)
+# Rows whose candidates overflow try this many higher cuts per pass over the row, for at
+# most this many passes, before they are searched over the whole row.
+_PIVOTS = tl.constexpr(4)
+_ROUNDS = tl.constexpr(4)
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -275,7 +282,7 @@ def _sample_kernel(
         by_min_p = mt + (tl.log(tl.maximum(min_p, 1e-38)) - _SLACK) / inv_t
         search = k_todo | p_todo
         cut = tl.where(search & (min_p > 0.0), tl.maximum(cut, by_min_p), cut)
-        gathered = search & (cut > float("-inf"))
+        gathered = search & (cut > float("-inf")) & (SLOTS > 0)  # no slots: as before them
         fast = gathered
         count = tl.zeros([ROWS, BLOCK], tl.int32)
         mass_g = tl.zeros([ROWS], tl.float32)
@@ -285,20 +292,38 @@ def _sample_kernel(
                 any_row(p_only), BLOCK, ROWS, SLOTS, PREFETCH,
             )  # fmt: skip
             fast = gathered & (tl.max(count, axis=1) <= SLOTS)
+        over = search & ~fast  # no bound, or a lane overflowed
+        if SLOTS > 0 and any_row(over):
+            # Raise their cuts by passes that try several at once (top_k rows by counts,
+            # top_p rows by the mass from the gathering), then gather those that now fit.
+            lo_c, fits = narrow(
+                base, row_ok & over, V, tl.where(gathered, cut, xmin), mt, kf, k_on,
+                top_p * mass_g * 1.001, mt, inv_t, xmin, min_p,
+                BLOCK, ROWS, SLOTS, _PIVOTS, _ROUNDS,
+            )  # fmt: skip
+            cut = tl.where(over & (p_only | fits), lo_c, cut)
+            refit = over & fits
+            if any_row(refit):
+                again, _ = gather(
+                    base, cbase, row_ok & refit, V, cut, mt, inv_t, xmin, min_p,
+                    False, BLOCK, ROWS, SLOTS, PREFETCH,
+                )  # fmt: skip
+                count = tl.where(refit[:, None], again, count)
+                fast = fast | (refit & (tl.max(again, axis=1) <= SLOTS))
         n_c, lim_c = view(count, fast, BLOCK, SLOTS)
-        slow = search & ~fast  # no bound, or a lane overflowed: search the whole row
+        slow = search & ~fast  # searched over the whole row
         if any_row(k_todo):
             lo = tl.maximum(xmin, kth)
             zero = tl.zeros([ROWS], tl.float32)
             found = mt
             if any_row(k_todo & fast):
                 found = threshold(
-                    cbase, row_ok, n_c, lim_c, tl.where(k_todo & fast, lo, float("inf")),
+                    cbase, row_ok & fast, n_c, lim_c, tl.where(k_todo & fast, lo, float("inf")),
                     mt, kf, mt, inv_t, xmin, zero, False, BLOCK, ROWS,
                 )  # fmt: skip
             if any_row(k_todo & slow):
                 whole = threshold(
-                    base, row_ok, V, V, tl.where(k_todo & slow, lo, float("inf")),
+                    base, row_ok & slow, V, V, tl.where(k_todo & slow, lo, float("inf")),
                     mt, kf, mt, inv_t, xmin, zero, False, BLOCK, ROWS,
                 )  # fmt: skip
                 found = tl.where(slow, whole, found)
@@ -306,24 +331,24 @@ def _sample_kernel(
         thr = vk
         if any_row(p_todo):
             # The survivors' mass, and where the top_p search starts: their smallest logit,
-            # or the row's cut. Every row without top_k was gathered, and its mass (over the
-            # whole row: not all its survivors are candidates) came with the gathering; with
-            # top_k, a gathered row's survivors are all candidates.
+            # or the row's cut. A gathered row without top_k has its mass (over the whole
+            # row: not all its survivors are candidates) from the gathering; with top_k, a
+            # gathered row's survivors are all candidates.
             mass = mass_g
             lowest = cut
             if any_row(p_todo & fast):
                 mass_c, lowest_c = kept_mass(
-                    cbase, row_ok, n_c, lim_c, mt, inv_t, vk, min_p, BLOCK, ROWS
+                    cbase, row_ok & fast, n_c, lim_c, mt, inv_t, vk, min_p, BLOCK, ROWS
                 )
                 mass = tl.where(k_on, mass_c, mass_g)
                 lowest = tl.where(fast, lowest_c, lowest)
-            slow_k = p_todo & slow & k_on
-            if any_row(slow_k):
+            weigh = p_todo & slow & (k_on | ~gathered)
+            if any_row(weigh):
                 mass_s, lowest_s = kept_mass(
-                    base, row_ok & slow_k, V, V, mt, inv_t, vk, min_p, BLOCK, ROWS
+                    base, row_ok & weigh, V, V, mt, inv_t, vk, min_p, BLOCK, ROWS
                 )
-                mass = tl.where(slow_k, mass_s, mass)
-                lowest = tl.where(slow_k, lowest_s, lowest)
+                mass = tl.where(weigh, mass_s, mass)
+                lowest = tl.where(weigh, lowest_s, lowest)
             # Tokens below a surviving lane maximum at which the lane maxima alone already
             # weigh top_p of the mass (with a margin for rounding) all fall outside.
             keep, w = survives(tops, mt2, inv_t2, vk[:, None], min_p2)
@@ -333,12 +358,12 @@ def _sample_kernel(
             found = vk
             if any_row(p_todo & fast):
                 found = threshold(
-                    cbase, row_ok, n_c, lim_c, tl.where(fast, lo, float("inf")),
+                    cbase, row_ok & fast, n_c, lim_c, tl.where(fast, lo, float("inf")),
                     mt, top_p * mass, mt, inv_t, vk, min_p, True, BLOCK, ROWS,
                 )  # fmt: skip
             if any_row(p_todo & slow):
                 whole = threshold(
-                    base, row_ok, V, V, tl.where(slow, lo, float("inf")),
+                    base, row_ok & slow, V, V, tl.where(slow, lo, float("inf")),
                     mt, top_p * mass, mt, inv_t, vk, min_p, True, BLOCK, ROWS,
                 )  # fmt: skip
                 found = tl.where(slow, whole, found)
@@ -349,7 +374,9 @@ def _sample_kernel(
         # gathered row is one of its candidates, in the same lane.
         kw_l = tl.zeros([ROWS, BLOCK], tl.float32)
         if any_row(fast):
-            kw_l = lane_weights(cbase, row_ok, n_c, lim_c, mt, inv_t, thr, keep_p, BLOCK, ROWS)
+            kw_l = lane_weights(
+                cbase, row_ok & fast, n_c, lim_c, mt, inv_t, thr, keep_p, BLOCK, ROWS
+            )
         whole_row = todo & ~fast  # min_p alone, and the rows searched over the whole row
         if any_row(whole_row):
             kw_w = lane_weights(base, row_ok & whole_row, V, V, mt, inv_t, thr, keep_p, BLOCK, ROWS)

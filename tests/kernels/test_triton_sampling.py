@@ -202,6 +202,56 @@ def test_searching_the_candidates_or_the_whole_row_draws_the_same_tokens(block: 
         assert got >= x[row][kept].min(), f"row {row}: token {int(tokens[row])} is filtered out"
 
 
+def logits_read(
+    monkeypatch: pytest.MonkeyPatch, x: torch.Tensor, slots: int | None = None, **kw: Any
+) -> list[float]:
+    """Per row, the logits the kernel loads, in rows' worth (the interpreter's loads,
+    counted), one row per program as on a GPU."""
+    import numpy as np
+
+    from hotpool.kernels import sampling_candidates, sampling_pivot_search, triton_sampling
+
+    load_tile = sampling_pivot_search.load_tile
+    start, row_bytes = x.data_ptr(), x.stride(0) * x.element_size()
+    loaded = np.zeros(x.shape[0])
+
+    def counting(base: Any, idx: Any, row_ok: Any, limit: Any) -> Any:
+        row = (int(np.asarray(base.handle.data).ravel()[0]) - start) // row_bytes
+        if 0 <= row < x.shape[0]:  # not the candidates' scratch
+            loaded[row] += np.count_nonzero((row_ok[:, None] & (idx < limit)).handle.data)
+        return load_tile(base, idx, row_ok, limit)
+
+    for module in (triton_sampling, sampling_candidates, sampling_pivot_search):
+        monkeypatch.setattr(module, "load_tile", counting)
+    triton_sample(x, *params(x.shape[0], **kw), block=256, slots=slots, rows_per_program=1)
+    monkeypatch.undo()
+    return (loaded / x.shape[1]).round(2).tolist()
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="counts the interpreter's loads")
+@pytest.mark.parametrize("kw", [{"top_k": 20}, {"top_p": 0.9}])
+def test_top_k_and_top_p_rows_read_the_logits_twice(
+    monkeypatch: pytest.MonkeyPatch, kw: dict[str, Any]
+) -> None:
+    """Their searches read the candidates, not the row: the first pass and the gathering
+    read it, the draw one lane; searched over the whole row, every bisection step reads it
+    again. Rows shaped like a language model's (a Zipf law, randomly ordered), 32 tiles of
+    256 lanes, from flat to peaked: the flattest top_p=0.9 row keeps ~5,000 of 8,192 tokens,
+    more than its 4,096 slots, and is searched over the whole row after one pass that finds
+    so (two passes more than without slots); the next is gathered again at a higher cut."""
+    g = torch.Generator().manual_seed(10)
+    ranks = torch.arange(1, 8193, dtype=torch.float32)
+    slope = torch.linspace(0.9, 3.0, 8)[:, None]
+    x = (-slope * ranks.log() + 0.3 * torch.randn(8, 8192, generator=g))[:, torch.randperm(8192)]
+    read = logits_read(monkeypatch, x, **kw)
+    whole = logits_read(monkeypatch, x, slots=0, **kw)
+    flat = 2 if "top_p" in kw and "top_k" not in kw else 0
+    assert max(read[flat:]) < 2.1, f"{kw}: rows read {read}"
+    assert read[0] < whole[0] + 2.1 and sum(read) < sum(whole) / 2, f"{read} vs {whole}"
+    if flat:
+        assert read[1] < 5, f"{kw}: the row gathered again read {read[1]} rows' worth"
+
+
 def test_a_batch_without_filters_draws_the_same_from_the_kernel_without_them() -> None:
     """``filters=False`` (``sample`` passes it when no row has top_k, top_p or min_p)
     compiles the filters out; greedy and temperature-only rows draw the same tokens."""
