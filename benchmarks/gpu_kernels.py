@@ -249,8 +249,9 @@ class Launch:
 
 
 # Load-ahead won at every width in the last sweep (docs/gpu_kernels.md); the candidates
-# raised the kernel's registers from 64 to ~100 at 2048 x 16 (ptxas for sm_90 without a GPU:
-# 80 without spills, 64 with 84 bytes), so the capped shapes ask what two programs per SM buy.
+# raised the full kernel's registers from 64 to 111 at 2048 x 16 (ptxas for sm_90 without a
+# GPU; capped at 80: 120 bytes spilled, at 64: 328), so the capped shapes ask what two
+# programs per SM buy and what the spills cost.
 SWEEP_LAUNCHES = [
     Launch(1024, 16),
     Launch(2048, 8),

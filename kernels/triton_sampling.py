@@ -42,10 +42,11 @@ over more tokens than there are lanes) or with a lane holding more candidates th
 is searched over the whole row. Either way the result is the same.
 
 Passes over each row: greedy and temperature-only rows read it once, plus the chosen lane;
-top_k and top_p rows twice (the first pass and the gathering), plus the chosen lane; min_p
-alone twice; a row gathered again two to five more; rows searched over the whole row once
-per bisection step on top (``benchmarks/sampler_traffic.py`` counts them). Every pass
-keeps running values per lane of the tile and reduces across the tile once, after the pass.
+top_k and top_p rows twice (the first pass and the gathering), plus the chosen lane, and a
+row gathered again two to five more; min_p alone once, plus a lane per draw (rejection: see
+the draw); rows searched over the whole row once per bisection step on top
+(``benchmarks/sampler_traffic.py`` counts them). Every pass keeps running values per lane of
+the tile and reduces across the tile once, after the pass.
 Rows holding a NaN or +inf, or no finite logit, get token ``-1`` and logprob NaN (the
 wrapper does not look, which would wait for the device; ``sample`` raises on -1).
 
@@ -89,7 +90,7 @@ _CPU_PREFETCH = False  # numpy gains nothing from loading ahead
 GPU_BLOCK = 2048
 GPU_WARPS = 16
 GPU_PREFETCH = True
-# A cap on registers per thread (None: ptxas chooses: 99 at 2048 x 16 with the filters, one
+# A cap on registers per thread (None: ptxas chooses: 111 at 2048 x 16 with the filters, one
 # program per SM; 64 without). ``benchmarks/gpu_kernels.py --sweep`` tries 64 and 80.
 GPU_MAXNREG: int | None = None
 # Elements of one [ROWS, BLOCK] tile in the interpreter, where wide tiles are cheap.
@@ -108,6 +109,9 @@ _SLACK = tl.constexpr(0.7)
 # most this many passes, before they are searched over the whole row.
 _PIVOTS = tl.constexpr(4)
 _ROUNDS = tl.constexpr(4)
+# Draws a min_p row may reject before it weighs its kept tokens over the whole row (at
+# min_p=0.05 the first draw is kept with the kept tokens' share of the mass, mostly > 0.8).
+_TRIES = tl.constexpr(4)
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -154,6 +158,15 @@ def _lane_draw(
 
 
 @triton.jit
+def _uniforms(seed, offset, r):
+    """Two more uniforms at ``(seed, offset)``, for retry ``r`` (Philox's third counter)."""
+    lo = offset.to(tl.uint32)
+    n = tl.full(lo.shape, r, tl.uint32)
+    a, b, _, _ = tl.philox(seed, lo, (offset >> 32).to(tl.uint32), n, lo * 0)
+    return tl.uint_to_uniform_float(a), tl.uint_to_uniform_float(b)
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr,
     stride_row,
@@ -191,11 +204,12 @@ def _sample_kernel(
     k_on = (k > 0) & (k < V) & ~greedy & FILTERS
     p_on = (top_p < 1.0) & ~greedy & FILTERS
     filtered = k_on | p_on | ((min_p > 0.0) & ~greedy & FILTERS)
+    thin = filtered & ~k_on & ~p_on  # min_p alone: drawn at T with rejection (see the draw)
     plain = ~greedy & ~filtered
     inv_t = 1.0 / tl.maximum(t, GREEDY_BELOW)
     inv_t2 = inv_t[:, None]
     any_filtered = any_row(filtered)
-    any_mass = any_row(plain | p_on)  # rows that need the mass at T from the first pass
+    any_mass = any_row(plain | p_on | thin)  # rows that need the mass at T from pass 1
     cbase = (cand_ptr + rows.to(tl.int64) * (SLOTS * BLOCK))[:, None]  # the candidate slots
 
     # Pass 1: raw max and normaliser (online), argmax, smallest finite logit (filtered rows),
@@ -241,7 +255,7 @@ def _sample_kernel(
     valid = finite_m & (s == s)
     token = best
     # Each lane's weight at T on the row's scale, for the draw.
-    w_l = tl.where(plain[:, None], st_l * tl.exp((m_l - m_safe[:, None]) * inv_t2), 0.0)
+    w_l = tl.where((plain | thin)[:, None], st_l * tl.exp((m_l - m_safe[:, None]) * inv_t2), 0.0)
     thr = tl.full([ROWS], float("-inf"), tl.float32)
     keep_p = tl.zeros([ROWS], tl.float32)
     todo = filtered & valid
@@ -369,7 +383,7 @@ def _sample_kernel(
                 found = tl.where(slow, whole, found)
             thr = tl.where(p_todo, found, vk)
         thr = tl.where(todo, thr, float("-inf"))
-        keep_p = tl.where(todo, min_p, 0.0)
+        keep_p = tl.where(todo & ~thin, min_p, 0.0)
         # Each lane's weight of the kept tokens, for the draw: every kept token of a
         # gathered row is one of its candidates, in the same lane.
         kw_l = tl.zeros([ROWS, BLOCK], tl.float32)
@@ -377,21 +391,52 @@ def _sample_kernel(
             kw_l = lane_weights(
                 cbase, row_ok & fast, n_c, lim_c, mt, inv_t, thr, keep_p, BLOCK, ROWS
             )
-        whole_row = todo & ~fast  # min_p alone, and the rows searched over the whole row
+        whole_row = slow  # the rows searched over the whole row
         if any_row(whole_row):
             kw_w = lane_weights(base, row_ok & whole_row, V, V, mt, inv_t, thr, keep_p, BLOCK, ROWS)
             kw_l = tl.where(whole_row[:, None], kw_w, kw_l)
-        w_l = tl.where(todo[:, None], kw_l, w_l)
+        w_l = tl.where(search[:, None], kw_l, w_l)
     draw = (plain & valid) | todo
     if any_row(draw):
         # Two uniforms per row, from one Philox call at (seed, offset).
         seed = tl.load(seed_ptr + rows, mask=row_ok, other=0)
         offset = tl.load(offset_ptr + rows, mask=row_ok, other=0)
-        u_lane, u_in, _, _ = tl.rand4x(seed, offset)
+        u_lane, u_in, u_lane2, u_in2 = tl.rand4x(seed, offset)
         picked = _lane_draw(
             base, row_ok, V, w_l, u_lane, u_in, m_safe, inv_t, thr, keep_p, BLOCK, ROWS, CHUNK
         )
         token = tl.where(draw, picked, token)
+        if FILTERS:
+            # min_p alone: a token drawn at T is kept if it survives min_p, else drawn again
+            # (rejection: exactly the kept tokens' distribution, each draw reading one lane
+            # where weighing the kept tokens per lane reads the whole row); rows still
+            # drawing after _TRIES draws weigh them and draw once more, from uniforms of
+            # their own (exact too: every way out draws from the same distribution).
+            drawing = thin & valid
+            for r in tl.static_range(_TRIES):
+                x_tok = tl.load(row_base + token, mask=row_ok & drawing, other=0.0)
+                kept = tl.exp((x_tok.to(tl.float32) - m_safe) * inv_t) >= min_p
+                drawing = drawing & ~kept
+                if any_row(drawing):
+                    if r == 0:
+                        ul, ui = u_lane2, u_in2
+                    else:  # the retry's number in Philox's third counter word
+                        ul, ui = _uniforms(seed, offset, r)
+                    if r == _TRIES - 1:  # the last way out: the kept tokens' weights
+                        w_l = tl.where(
+                            drawing[:, None],
+                            lane_weights(
+                                base, row_ok & drawing, V, V, m_safe, inv_t, thr, min_p,
+                                BLOCK, ROWS,
+                            ),
+                            w_l,
+                        )  # fmt: skip
+                        keep_p = tl.where(drawing, min_p, keep_p)
+                    again = _lane_draw(
+                        base, row_ok & drawing, V, w_l, ul, ui, m_safe, inv_t, thr, keep_p,
+                        BLOCK, ROWS, CHUNK,
+                    )  # fmt: skip
+                    token = tl.where(drawing, again, token)
 
     token = tl.where(valid, token, -1)
     tl.store(token_ptr + rows, token.to(tl.int64), mask=row_ok)

@@ -85,6 +85,9 @@ CASES: dict[str, tuple[int, float, bool, SamplingRow]] = {
     "top_p=0.3": (50, 1.0, False, SamplingRow(top_p=0.3)),
     "min_p=0.05": (200, 2.0, False, SamplingRow(min_p=0.05)),
     "min_p=0.2,T=1.4": (96, 1.0, False, SamplingRow(temperature=1.4, min_p=0.2)),
+    # Kept tokens hold ~1/5 of the mass at T=3: the Triton kernel's draws at T are rejected
+    # four times in a row for ~40% of the rows, which then weigh the kept tokens.
+    "min_p=0.6,T=3": (200, 1.0, False, SamplingRow(temperature=3.0, min_p=0.6)),
     "top_k=20,top_p=0.8": (96, 1.5, False, SamplingRow(top_k=20, top_p=0.8)),
     "min_p=0.05,top_p=0.85": (131, 1.5, False, SamplingRow(min_p=0.05, top_p=0.85)),
     "all filters": (
@@ -118,6 +121,7 @@ TRITON_CASES = [
     "top_p=0.6,T=0.7",
     "top_p=0.3",
     "min_p=0.2,T=1.4",
+    "min_p=0.6,T=3",
     "top_k=20,top_p=0.8",
     "all filters",
     "masked,top_p=0.9",
