@@ -7,8 +7,9 @@ logits at or above such a bound, ``cut``. One pass over the row copies them into
 candidate slots, a ``[SLOTS, BLOCK]`` block of scratch memory in which lane ``l`` of the tile
 keeps its ``j``-th candidate at ``j * BLOCK + l``: every lane counts its own candidates in a
 register, so the pass needs nothing across the tile, and a lane's candidates stay in the
-row's order. A row with a lane holding more than ``SLOTS`` candidates overflows and is
-searched over the whole row instead.
+row's order. A row with a lane holding more than ``SLOTS`` candidates overflows: ``narrow``
+raises its cut with passes that try several at once, and it is gathered again; a row whose
+surely-kept tokens alone overflow is searched over the whole row instead.
 
 Seen through its slots (``view``), a row's candidates are a shorter row in which each column
 is the lane of the same column of the full row: the top_k and top_p searches, the survivors'
