@@ -295,7 +295,8 @@ def sweep(b: int = 256, v: int = 128256) -> Launch | None:
 
     def sample_call(shape: Launch, mix: Mix) -> Callable[[], object]:
         p = kernel_params(b, mix)
-        slots = min(GPU_SLOTS, triton.cdiv(v, shape.block))  # as the wrapper chooses
+        # As the wrapper chooses: no slots without filters.
+        slots = min(GPU_SLOTS, triton.cdiv(v, shape.block)) if mix.filters else 0
         candidates = torch.empty(b, slots * shape.block, device="cuda")
         cap = {} if shape.maxnreg is None else {"maxnreg": shape.maxnreg}
         return lambda: _sample_kernel[(b,)](

@@ -124,7 +124,7 @@ def narrow(
     js = tl.arange(0, PIVOTS)[None, :]
     m2, inv_t2, floor2, min_p2 = m[:, None], inv_t[:, None], floor[:, None], min_p[:, None]
     active = row_ok
-    fits = lo != lo  # all False
+    fits = row_ok & ~row_ok  # none yet
     for _ in range(ROUNDS):
         if any_row(active):
             q = lo[:, None] + (hi - lo)[:, None] * ((js + 1).to(tl.float32) / (PIVOTS + 1))

@@ -391,10 +391,9 @@ def _sample_kernel(
             kw_l = lane_weights(
                 cbase, row_ok & fast, n_c, lim_c, mt, inv_t, thr, keep_p, BLOCK, ROWS
             )
-        whole_row = slow  # the rows searched over the whole row
-        if any_row(whole_row):
-            kw_w = lane_weights(base, row_ok & whole_row, V, V, mt, inv_t, thr, keep_p, BLOCK, ROWS)
-            kw_l = tl.where(whole_row[:, None], kw_w, kw_l)
+        if any_row(slow):
+            kw_w = lane_weights(base, row_ok & slow, V, V, mt, inv_t, thr, keep_p, BLOCK, ROWS)
+            kw_l = tl.where(slow[:, None], kw_w, kw_l)
         w_l = tl.where(search[:, None], kw_l, w_l)
     draw = (plain & valid) | todo
     if any_row(draw):
@@ -548,7 +547,8 @@ def triton_sample(
     elif slots < 0:
         raise ValueError(f"slots must be >= 0, got {slots}")
     # A lane of a row holds at most cdiv(V, block) logits: so many slots never overflow.
-    slots = min(slots, triton.cdiv(v, block))
+    # Without filters nothing is gathered: no scratch.
+    slots = min(slots, triton.cdiv(v, block)) if filters else 0
     # Written only where a row has candidates, read only where written: never cleared.
     candidates = torch.empty(b, slots * block, dtype=torch.float32, device=dev)
     _sample_kernel[(triton.cdiv(b, rows),)](
