@@ -3,7 +3,7 @@
 
 Structured fields travel in a record's ``extra``; the request log of the control plane puts
 request id, tenant, deployment, tokens and timings there. Nothing logs an API key (only its
-prefix) or a prompt.
+prefix) or a prompt, unless ``HOTPOOL_LOG_PROMPTS`` asks for prompts at debug level.
 """
 
 from __future__ import annotations

@@ -54,6 +54,9 @@ class Settings:
     max_queue: int = 256
     log_level: str = "info"
     log_format: str = "text"  # text or json (one object per line)
+    # 0: prompts and outputs never reach the log; N: at debug level, each request's prompt
+    # and output are logged, each cut to N characters.
+    log_prompts: int = 0
     auth: str = "auto"  # keys: API keys required; none: local-only; auto: none on loopback
     kv_cache_bytes: int = 1 << 30  # per worker
     max_num_seqs: int = 64
@@ -109,6 +112,17 @@ def _non_negative_int(raw: str) -> int:
     if value < 0:
         raise ValueError("must be an integer >= 0")
     return value
+
+
+def _off_or_positive_int(raw: str) -> int:
+    """``off`` or ``0`` (0), or an integer >= 1."""
+    text = raw.strip().lower()
+    if text in ("off", "0"):
+        return 0
+    try:
+        return _positive_int(text)
+    except ValueError:
+        raise ValueError("must be off (or 0), or an integer >= 1") from None
 
 
 def _positive_float(raw: str) -> float:
@@ -251,6 +265,7 @@ def _load(env: Mapping[str, str]) -> Settings:
         max_queue=_parse(env, "HOTPOOL_MAX_QUEUE", 256, _positive_int),
         log_level=_parse(env, "HOTPOOL_LOG_LEVEL", "info", _one_of(LOG_LEVELS)),
         log_format=_parse(env, "HOTPOOL_LOG_FORMAT", "text", _one_of(("text", "json"))),
+        log_prompts=_parse(env, "HOTPOOL_LOG_PROMPTS", 0, _off_or_positive_int),
         auth=_parse(env, "HOTPOOL_AUTH", "auto", _one_of(AUTH_MODES)),
         kv_cache_bytes=_parse(env, "HOTPOOL_KV_CACHE_BYTES", 1 << 30, _byte_size),
         max_num_seqs=_parse(env, "HOTPOOL_MAX_NUM_SEQS", 64, _positive_int),

@@ -107,7 +107,14 @@ def build_services(
         router=router,
         ledger_writer=writer,
         scale_events=scale_log,
-        invoker=Invoker(router, pool.client, writer, metrics, WorkerMuxes(worker_token)),
+        invoker=Invoker(
+            router,
+            pool.client,
+            writer,
+            metrics,
+            WorkerMuxes(worker_token),
+            log_prompts=settings.log_prompts,
+        ),
         autoscaler=autoscaler,
         metrics=metrics,
         worker_token=worker_token,
@@ -115,6 +122,23 @@ def build_services(
         tenants=TenantStore(db),
         keys=keys,
     )
+
+
+def _warn_about_prompt_logs(limit: int) -> None:
+    """Prompts are the users' data: logging them is said out loud, and so is a setting that
+    asks for it where the log level keeps it from happening."""
+    if not limit:
+        return
+    if logging.getLogger("hotpool.requests").isEnabledFor(logging.DEBUG):
+        log.warning(
+            "PROMPTS ARE LOGGED (HOTPOOL_LOG_PROMPTS=%d): every request's prompt and output "
+            "go to the log at debug level, up to %d characters each.", limit, limit,
+        )  # fmt: skip
+    else:
+        log.warning(
+            "HOTPOOL_LOG_PROMPTS=%d has no effect: prompts are logged at debug level only "
+            "(HOTPOOL_LOG_LEVEL=debug).", limit,
+        )  # fmt: skip
 
 
 def _log_scale(event: ScaleEvent) -> None:
@@ -171,6 +195,7 @@ def create_app(services: Services) -> Starlette:
                 "tenant with every scope. Set HOTPOOL_AUTH=keys and create keys with "
                 "`hotpool keys create` before exposing this server."
             )
+        _warn_about_prompt_logs(services.settings.log_prompts)
         # First: bill what a previous process left in flight, and replay its spool.
         await services.ledger_writer.start()
         services.scale_events.start()

@@ -69,6 +69,7 @@ class _Tally:
     lease: Lease | None = None
     delivered: bool = False  # an event reached the caller: no retry from here on
     last_token: dict[int, float] = field(default_factory=dict)  # choice -> its last token's time
+    texts: dict[int, list[str]] | None = None  # choice -> its output, kept only to be logged
 
 
 class Invoker:
@@ -79,12 +80,16 @@ class Invoker:
         ledger: LedgerWriter,
         metrics: Metrics,
         muxes: WorkerMuxes,
+        log_prompts: int = 0,
     ) -> None:
         self.router = router
         self.client = client  # aborts; the streams themselves go through `muxes`
         self.muxes = muxes
         self.ledger = ledger
         self.metrics = metrics
+        # HOTPOOL_LOG_PROMPTS: 0, or the characters of each prompt and output logged at
+        # debug level (for debugging a deployment; off by default, as prompts are the users').
+        self.log_prompts = log_prompts
         self._background: set[asyncio.Task[None]] = set()
 
     async def generate(
@@ -108,6 +113,8 @@ class Invoker:
             target = Target(target, not_version=target.canary_version)
         spec = target.spec
         tally = _Tally(n=call.params.n)
+        if self.log_prompts and requests_log.isEnabledFor(logging.DEBUG):
+            tally.texts = {}
         request = GenerateRequest(request_id, call.params, call.prompt, call.messages)
         caller = caller or Caller()
         failed: Lease | None = None
@@ -190,6 +197,8 @@ class Invoker:
                 async for event in stream:
                     now = time.monotonic()
                     _tally_event(tally, event, now)
+                    if tally.texts is not None and event.text:
+                        tally.texts.setdefault(event.index, []).append(event.text)
                     if (gap := _token_gap(tally, event, now)) is not None:
                         self.metrics.observe_token_gap(spec.name, gap, len(event.token_ids))
                     if (u := event.usage) is not None:
@@ -277,6 +286,34 @@ class Invoker:
                 "cold_start": cold, "error": t.error,
             },
         )  # fmt: skip
+        if t.texts is not None:
+            self._log_prompt(request_id, spec.name, call, t.texts)
+
+    def _log_prompt(
+        self, request_id: str, deployment: str, call: CompletionCall, texts: dict[int, list[str]]
+    ) -> None:
+        """The request's prompt (or messages) and output, each text cut to ``log_prompts``
+        characters: in the message for text logs, and as fields for JSON ones."""
+        limit = self.log_prompts
+        prompt = None if call.prompt is None else _cut(call.prompt, limit)
+        messages = (
+            None
+            if call.messages is None
+            else [{"role": m.role, "content": _cut(m.content, limit)} for m in call.messages]
+        )
+        output = [_cut("".join(texts.get(i, ())), limit) for i in range(call.params.n)]
+        requests_log.debug(
+            "%s %s prompt=%r output=%r",
+            request_id, deployment, prompt if messages is None else messages, output,
+            extra={"request_id": request_id, "deployment": deployment, "prompt": prompt,
+                   "messages": messages, "output": output},
+        )  # fmt: skip
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit} more characters]"
 
 
 def _tally_event(tally: _Tally, event: GenerateEvent, now: float | None = None) -> None:

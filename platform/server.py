@@ -136,11 +136,14 @@ def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> Non
     else:
         settings, backend = local_backend(settings, host, port, token)
     app = create_app(build_services(settings, db, backend, token))
-    print(
+    banner = (
         f"hotpool is serving on http://{host}:{port} (data in {settings.home});"
-        f" dashboard: http://{host}:{port}/dashboard",
-        flush=True,
+        f" dashboard: http://{host}:{port}/dashboard"
     )
+    if settings.log_format == "json":  # every line a JSON object, standard output's too
+        log.info("%s", banner, extra={"url": f"http://{host}:{port}", "home": str(settings.home)})
+    else:
+        print(banner, flush=True)
     # The event loop relays every token; the ledger writer's batches (SQLAlchemy, ~4 ms of
     # Python for 32 records) run in a thread. A thread that wants the GIL waits out the
     # holder's switch interval (5 ms by default) before it is handed over, so a batch in

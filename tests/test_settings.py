@@ -117,6 +117,8 @@ def test_settings_are_frozen_and_hide_the_token(tmp_path: Path) -> None:
         ("HOTPOOL_WORKER_THREADS", "0"),
         ("HOTPOOL_OBJECT_STORE", "relative/path"),
         ("HOTPOOL_OBJECT_STORE", "s3://bucket/prefix"),
+        ("HOTPOOL_LOG_PROMPTS", "yes"),
+        ("HOTPOOL_LOG_PROMPTS", "-5"),
     ],
 )
 def test_bad_value_names_the_variable(tmp_path: Path, name: str, value: str) -> None:
@@ -155,6 +157,19 @@ def test_the_host_memory_tier_can_be_turned_off_but_not_made_tiny(tmp_path: Path
     assert (host("0"), host("512m"), host("2GiB")) == (0, 512 << 20, 2 << 30)
     with pytest.raises(SettingsError, match="must be 0 \\(off\\) or at least 1m"):
         host("100k")
+
+
+def test_prompts_stay_out_of_the_log_unless_a_length_is_given(tmp_path: Path) -> None:
+    def prompts(value: str | None) -> int:
+        env = {"HOTPOOL_HOME": str(tmp_path)}
+        if value is not None:
+            env["HOTPOOL_LOG_PROMPTS"] = value
+        return load_settings(env).log_prompts
+
+    assert (prompts(None), prompts("off"), prompts(" OFF "), prompts("0")) == (0, 0, 0, 0)
+    assert (prompts("1"), prompts("2000")) == (1, 2000)
+    with pytest.raises(SettingsError, match="must be off \\(or 0\\), or an integer >= 1"):
+        prompts("on")
 
 
 # --- worker backend (issue 10) ---------------------------------------------------------------

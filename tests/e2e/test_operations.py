@@ -103,12 +103,19 @@ def _cli(home: Path, *args: str) -> str:
     return done.stdout.strip()
 
 
+SECRET = "my locker code is 7-Zebra-42"  # a prompt no log line may hold
+
+
 def test_keys_required_the_openai_client_works_with_one(
     tmp_path: Path, smollm2_snapshot_bf16: Path
 ) -> None:
-    _cli(tmp_path, "tenants", "create", "acme")
+    created = _cli(tmp_path, "tenants", "create", "acme")  # "created tenant acme (id N)"
+    tenant_id = int(created.rpartition("id ")[2].rstrip(")"))
     key = _cli(tmp_path, "keys", "create", "--tenant", "acme", "--scopes", "deploy,invoke")
-    env = {"HOTPOOL_MAX_WORKERS": "1", "HOTPOOL_WARM_WORKERS": "0", "HOTPOOL_AUTH": "keys"}
+    env = {
+        "HOTPOOL_MAX_WORKERS": "1", "HOTPOOL_WARM_WORKERS": "0", "HOTPOOL_AUTH": "keys",
+        "HOTPOOL_LOG_FORMAT": "json", "HOTPOOL_LOG_LEVEL": "debug",  # no prompt even so
+    }  # fmt: skip
     with running_server(tmp_path, f"file://{smollm2_snapshot_bf16}", env) as srv:
         assert "x-hotpool-auth" not in httpx.get(f"{srv.url}/healthz").headers
         spec = {"name": "secure", "snapshot_uri": srv.snapshot_uri}
@@ -118,10 +125,12 @@ def test_keys_required_the_openai_client_works_with_one(
         assert r.status_code == 201, r.text
 
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0)
-        out = client.chat.completions.create(
-            model="secure", messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+        raw = client.chat.completions.with_raw_response.create(
+            model="secure", messages=[{"role": "user", "content": SECRET}], max_tokens=3
         )
+        out = raw.parse()
         assert out.usage is not None and out.usage.completion_tokens == 3
+        request_id = raw.headers["x-hotpool-request-id"]
         stranger = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="hp_" + "0" * 40, max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             stranger.models.list()
@@ -135,6 +144,83 @@ def test_keys_required_the_openai_client_works_with_one(
                 break
             assert time.monotonic() < deadline, "a revoked key still works"
             time.sleep(0.1)
+
+        # The request's line in the structured log: who, what, how many tokens, how long.
+        line = _log_line(srv, "hotpool.requests", request_id)
+        assert line["level"] == "info" and line["ts"].endswith("+00:00")
+        assert (line["tenant_id"], line["api_key"], line["deployment"]) == (
+            tenant_id,
+            key[:11],
+            "secure",
+        )
+        assert (line["endpoint"], line["status"], line["error"]) == (
+            "chat.completions",
+            "completed",
+            None,
+        )
+        assert (line["prompt_tokens"], line["completion_tokens"]) == (out.usage.prompt_tokens, 3)
+        assert 0 < line["ttft_seconds"] <= line["total_seconds"]
+        access = _log_line(srv, "hotpool.access", request_id)
+        assert (access["path"], access["status"]) == ("/v1/chat/completions", 200)
+    # Every line of the control plane's log is one JSON object, and neither it nor the
+    # worker's log holds the key or the prompt.
+    logs = [srv.log(), *(p.read_text() for p in (tmp_path / "logs").glob("*.log"))]
+    assert all(json.loads(text)["logger"] for text in logs[0].splitlines() if text.strip())
+    assert len(logs) >= 2  # the worker's too
+    for text in logs:
+        assert key[11:] not in text and SECRET not in text
+
+
+def test_prompts_are_logged_only_at_debug_level_when_asked(
+    tmp_path: Path, smollm2_snapshot_bf16: Path
+) -> None:
+    env = {
+        "HOTPOOL_MAX_WORKERS": "1", "HOTPOOL_WARM_WORKERS": "0", "HOTPOOL_LOG_FORMAT": "json",
+        "HOTPOOL_LOG_LEVEL": "debug", "HOTPOOL_LOG_PROMPTS": "20",
+    }  # fmt: skip
+    with running_server(tmp_path, f"file://{smollm2_snapshot_bf16}", env) as srv:
+        srv.deploy("talk", idle_timeout_s=120)
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        chat = client.chat.completions.with_raw_response.create(
+            model="talk", messages=[{"role": "user", "content": SECRET}], max_tokens=4,
+            temperature=0,
+        )  # fmt: skip
+        text = client.completions.with_raw_response.create(
+            model="talk", prompt="Once upon a time", max_tokens=3, n=2, temperature=0
+        )
+        said = _log_line(srv, "hotpool.requests", chat.headers["x-hotpool-request-id"], "debug")
+        assert said["messages"] == [
+            {"role": "user", "content": SECRET[:20] + f"... [{len(SECRET) - 20} more characters]"}
+        ]
+        assert said["prompt"] is None
+        assert said["output"] == [_cut(chat.parse().choices[0].message.content or "", 20)]
+        said = _log_line(srv, "hotpool.requests", text.headers["x-hotpool-request-id"], "debug")
+        assert (said["prompt"], said["messages"]) == ("Once upon a time", None)
+        assert said["output"] == [_cut(c.text, 20) for c in text.parse().choices]
+    warnings = [json.loads(t) for t in srv.log().splitlines() if "HOTPOOL_LOG_PROMPTS" in t]
+    assert warnings[0]["level"] == "warning" and "PROMPTS ARE LOGGED" in warnings[0]["message"]
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit} more characters]"
+
+
+def _log_line(srv: Server, logger: str, request_id: str, level: str = "info") -> dict[str, Any]:
+    """The JSON log line of ``logger`` at ``level`` about ``request_id`` (written once the
+    request is over, so waited for)."""
+    deadline = time.monotonic() + 10
+    while True:
+        for text in srv.log().splitlines():
+            if request_id in text:
+                line = json.loads(text)
+                if (line["logger"], line["level"], line.get("request_id")) == (
+                    logger, level, request_id
+                ):  # fmt: skip
+                    return line  # type: ignore[no-any-return]
+        assert time.monotonic() < deadline, f"no {level} line of {logger} for {request_id}"
+        time.sleep(0.1)
 
 
 def test_concurrent_sigterm_does_not_lose_queued_requests(

@@ -119,6 +119,30 @@ def test_each_request_is_in_the_access_log_once_over_but_not_worker_heartbeats(
     assert all(r.duration_ms >= 0 for r in lines)  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("level", [logging.INFO, logging.DEBUG])
+def test_asking_for_prompts_in_the_log_is_loud_at_start_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, level: int
+) -> None:
+    env = {"HOTPOOL_HOME": str(tmp_path), "HOTPOOL_WARM_WORKERS": "0"}
+    settings = load_settings({**env, "HOTPOOL_LOG_PROMPTS": "500"})
+    db = Database(settings.database_url)
+    db.upgrade()
+    config = LocalWorkerConfig("http://127.0.0.1:9", TOKEN, settings.cache_dir, tmp_path / "l")
+    services = build_services(settings, db, LocalProcessBackend(config), TOKEN)
+    try:
+        with caplog.at_level(level), TestClient(create_app(services)):
+            pass
+    finally:
+        db.dispose()
+    said = [r.getMessage() for r in caplog.records if "HOTPOOL_LOG_PROMPTS=500" in r.getMessage()]
+    levels = {r.levelno for r in caplog.records if "HOTPOOL_LOG_PROMPTS=500" in r.getMessage()}
+    assert len(said) == 1 and levels == {logging.WARNING}
+    if level == logging.DEBUG:
+        assert said[0].startswith("PROMPTS ARE LOGGED") and "500 characters" in said[0]
+    else:
+        assert "has no effect" in said[0] and "HOTPOOL_LOG_LEVEL=debug" in said[0]
+
+
 def test_unknown_route_is_an_openai_404(client: TestClient) -> None:
     err = error_of(client.get("/v1/nothing-here"), 404)
     assert err["type"] == "invalid_request_error"
