@@ -696,11 +696,16 @@ ERROR_RESPONSES = {  # status: (component name, when)
     409: ("Conflict", "It exists already, or conflicts with what does."),
     413: ("TooLarge", f"The request body is larger than {MAX_BODY_BYTES} bytes."),
     422: ("BadSnapshot", "The snapshot is missing, unreadable or of a model type not run."),
+    429: (
+        "TooManyRequests",
+        "The deployment already has `max_queue` requests waiting for a replica; retry after "
+        "`Retry-After` seconds.",
+    ),
     502: ("BadGateway", "The replica serving the request failed before the answer started."),
     503: (
         "Unavailable",
-        "No replica became ready in time, the deployment's queue is full, or its cold start "
-        "failed; retry after `Retry-After` seconds.",
+        "No replica became ready in time, or its cold start failed; retry after `Retry-After` "
+        "seconds.",
     ),
 }
 
@@ -779,7 +784,7 @@ def invocation(summary: str, answers: str, json: str, stream: Schema, **kw: Any)
         summary,
         "invoke",
         {"200": answer(answers, {JSON: ref(json), **stream})},
-        (400, 404, 502, 503),
+        (400, 404, 429, 502, 503),
         description="Errors found before the first token are JSON error answers; with "
         "`stream: true`, later ones arrive in the stream.",
         **kw,
@@ -1075,7 +1080,7 @@ DOCUMENT: dict[str, Any] = {
     "components": {
         "schemas": COMPONENTS,
         "responses": {
-            name: answer(why, {JSON: ref("ErrorResponse")}, retry=status == 503)
+            name: answer(why, {JSON: ref("ErrorResponse")}, retry=status in (429, 503))
             for status, (name, why) in ERROR_RESPONSES.items()
         },
         "headers": HEADERS,

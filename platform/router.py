@@ -7,9 +7,10 @@ own; a canary request is served by the canary only, a stable request never by th
 
 The ready replica with the fewest outstanding requests wins. With none ready, the request
 waits (at most ``max_queue`` per deployment, at most ``queue_timeout_s``) for the replica
-the pool is starting, starting one if there is none; a full queue or an expired wait is a
-503 with ``Retry-After``, never a hang. Demand beyond one replica is the autoscaler's: the
-router wakes it whenever requests queue or a replica passes its target concurrency.
+the pool is starting, starting one if there is none; a full queue is a 429 and an expired
+wait a 503, both with ``Retry-After``, never a hang. Demand beyond one replica is the
+autoscaler's: the router wakes it whenever requests queue or a replica passes its target
+concurrency.
 """
 
 from __future__ import annotations
@@ -119,9 +120,11 @@ class Router:
         max_queue = spec.max_queue or self.max_queue
         timeout_s = spec.queue_timeout_s or self.queue_timeout_s
         if self.waiting[spec.name] >= max_queue:
+            # Over the deployment's limit, not the server's failure: a 429, which the openai
+            # client retries after Retry-After, as it does OpenAI's own "overloaded".
             raise APIError(
-                503, f"deployment {spec.name!r} has {max_queue} requests queued; retry later",
-                code="queue_full", retry_after_s=5,
+                429, f"deployment {spec.name!r} has {max_queue} requests queued (its max_queue);"
+                " retry later", code="queue_full", retry_after_s=5,
             )  # fmt: skip
         self.waiting[spec.name] += 1
         self.waiting_for[(spec.name, spec.generation)] += 1

@@ -339,7 +339,7 @@ def test_every_error_answer_has_the_openai_shape_and_the_ids(world: World) -> No
                 assert answer["content"][JSON]["schema"] == {
                     "$ref": "#/components/schemas/ErrorResponse"
                 }
-                assert ("Retry-After" in answer["headers"]) == (status == "503")
+                assert ("Retry-After" in answer["headers"]) == (status in ("429", "503"))
             headers = answer.get("headers", {})
             assert {"x-request-id", "x-hotpool-request-id"} <= set(headers), (path, status)
 

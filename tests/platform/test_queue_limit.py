@@ -1,0 +1,89 @@
+"""A deployment's queue limit (``max_queue``): requests past it are 429s at once, with
+``Retry-After``, while the ones already waiting for a replica keep their place (here until
+their own wait runs out, as no worker ever registers)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from snapshot_folders import snapshot_folder
+from starlette.testclient import TestClient
+
+from hotpool.billing.db import Database
+from hotpool.platform.app import build_services, create_app
+from hotpool.platform.services import Services
+from hotpool.pool.backend import WorkerBackend, WorkerHandle
+from hotpool.settings import load_settings
+
+TOKEN = "queue-token"
+
+
+class NeverRegisters(WorkerBackend):
+    """Workers that start and never call back: a cold start that takes forever."""
+
+    async def start(self, worker_id: str) -> WorkerHandle:
+        return WorkerHandle(worker_id)
+
+    async def stop(self, handle: WorkerHandle, grace_s: float = 10.0) -> None:
+        pass
+
+    def exit_reason(self, handle: WorkerHandle) -> str | None:
+        return None
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Iterator[tuple[TestClient, Services]]:
+    settings = load_settings({"HOTPOOL_HOME": str(tmp_path), "HOTPOOL_WARM_WORKERS": "0"})
+    db = Database(settings.database_url)
+    db.upgrade()
+    services = build_services(settings, db, NeverRegisters(), TOKEN)
+    try:
+        with TestClient(create_app(services)) as client:
+            yield client, services
+    finally:
+        db.dispose()
+
+
+def test_a_request_past_the_queue_limit_is_a_429_with_retry_after(
+    app: tuple[TestClient, Services], tmp_path: Path
+) -> None:
+    client, services = app
+    uri = f"file://{snapshot_folder(tmp_path / 'snap')}"
+    spec = {"name": "tiny", "snapshot_uri": uri, "max_queue": 2, "queue_timeout_s": 2}
+    assert client.post("/v1/deployments", json=spec).status_code == 201
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    waited: list[httpx.Response] = []
+    threads = [
+        threading.Thread(target=lambda: waited.append(client.post("/v1/completions", json=body)))
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 5
+    while services.router.queued("tiny") < 2:
+        assert time.monotonic() < deadline, "the first two requests never queued"
+        time.sleep(0.01)
+
+    t0 = time.monotonic()
+    over = client.post("/v1/completions", json=body)
+    assert time.monotonic() - t0 < 1  # refused at once, not after a wait
+    assert over.status_code == 429 and over.headers["retry-after"] == "5"
+    error = over.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
+    assert "max_queue" in error["message"]
+    # Streaming asks the same way and is refused the same way, before any event.
+    streamed = client.post("/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 429 and streamed.json()["error"]["code"] == "queue_full"
+
+    for t in threads:
+        t.join()
+    # Those that were queued first kept their place until their own wait ran out.
+    assert [r.status_code for r in waited] == [503, 503]
+    assert {r.json()["error"]["code"] for r in waited} == {"queue_timeout"}
+    assert services.router.queued("tiny") == 0
+    assert client.post("/v1/completions", json=body).status_code == 503  # room again: it waits
