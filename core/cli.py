@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -121,8 +120,11 @@ def worker(
     settings = _settings()
     if not settings.worker_token:
         raise click.ClickException("HOTPOOL_WORKER_TOKEN must be set for a worker")
-    logging.basicConfig(
-        level=log_level.upper(), format=f"%(asctime)s %(levelname)s {worker_id}: %(message)s"
+    configure_logs(
+        log_level,
+        settings.log_format,
+        fields={"worker_id": worker_id},
+        text_format=f"%(asctime)s %(levelname)s {worker_id.replace('%', '%%')}: %(message)s",
     )
     run_worker(
         WorkerOptions(

@@ -31,6 +31,12 @@ def test_extra_fields_are_top_level_keys_beside_the_standard_ones() -> None:
     assert not {"args", "msg", "pathname", "lineno", "exc_info"} & set(out)
 
 
+def test_a_processes_own_fields_go_into_every_line_and_terminal_colours_stay_out() -> None:
+    formatter = JsonFormatter({"worker_id": "w-1"})
+    out = json.loads(formatter.format(_record(color_message="\x1b[36mr1\x1b[0m done")))
+    assert out["worker_id"] == "w-1" and "color_message" not in out
+
+
 def test_an_exception_travels_in_the_same_line_and_odd_values_as_text() -> None:
     try:
         raise RuntimeError("boom")

@@ -66,6 +66,9 @@ def kv_cache_usage(service: WorkerService) -> float | None:
 
 
 def run_worker(opts: WorkerOptions) -> None:
+    # httpx logs every call at info: a heartbeat line every two seconds otherwise (a failed
+    # heartbeat is the worker's own warning).
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     asyncio.run(_main(opts))
 
 
@@ -95,6 +98,7 @@ async def _main(opts: WorkerOptions) -> None:
     config = uvicorn.Config(
         app,
         log_level=opts.log_level,
+        log_config=None,  # uvicorn's lines through the worker's handler (text or JSON)
         access_log=False,
         timeout_graceful_shutdown=10,
         http=CorkedHttpToolsProtocol,  # a stream's headers and first token in one write

@@ -162,12 +162,16 @@ def test_keys_required_the_openai_client_works_with_one(
         assert 0 < line["ttft_seconds"] <= line["total_seconds"]
         access = _log_line(srv, "hotpool.access", request_id)
         assert (access["path"], access["status"]) == ("/v1/chat/completions", 200)
-    # Every line of the control plane's log is one JSON object, and neither it nor the
-    # worker's log holds the key or the prompt.
-    logs = [srv.log(), *(p.read_text() for p in (tmp_path / "logs").glob("*.log"))]
-    assert all(json.loads(text)["logger"] for text in logs[0].splitlines() if text.strip())
-    assert len(logs) >= 2  # the worker's too
-    for text in logs:
+    # Every line of the control plane's log and of the worker's is one JSON object (the
+    # worker's name its worker), and none holds the key or the prompt.
+    workers = [p.read_text() for p in (tmp_path / "logs").glob("w-*.log")]
+    assert len(workers) == 1
+    lines = [json.loads(text) for log in (srv.log(), *workers) for text in log.splitlines()]
+    assert all(line["logger"] and line["level"] for line in lines)
+    mine = [line for line in lines if line.get("worker_id")]
+    assert any(line["logger"] == "hotpool.worker" for line in mine)
+    assert any(line["logger"].startswith("uvicorn") for line in mine)
+    for text in (srv.log(), *workers):
         assert key[11:] not in text and SECRET not in text
 
 
