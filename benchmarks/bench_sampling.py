@@ -17,8 +17,17 @@ median and both tails within a factor of two (nucleus sizes included). ``--logit
 uses ``randn`` rows instead: the worst case for top-p, whose nucleus then holds most of
 the vocabulary.
 
+A second table puts the sampler in the engine (issue 4's "at most 5% of a decode step"):
+hotpool's ``LLMEngine`` runs SmolLM2-135M-Instruct (bf16, the snapshot ``bench_engine.py``
+pulls) with ``--engine-batch`` requests of ~128 prompt tokens in flight, each mix as
+``SamplingParams`` (the mixed batch cycles per request), and times ``--engine-steps`` decode
+steps: the step's wall time and the part of it spent in ``sample`` (the model runner's
+``sampler_seconds``). Beside it, HF's chain for the same mix on logits of the step's shape,
+and the share of the step it would take in the sampler's place. ``--engine-batch 0`` skips it.
+
     python benchmarks/bench_sampling.py                      # B 1 32 128, V 49152 128256
     python benchmarks/bench_sampling.py --batch 32 --vocab 49152 --threads 1
+    python benchmarks/bench_sampling.py --batch 32 --vocab 49152 --engine-batch 32 64
 """
 
 from __future__ import annotations
@@ -40,8 +49,14 @@ from transformers.generation.logits_process import (
 )
 
 from hotpool.kernels.sampling import SamplingRow, sample
+from hotpool.worker.engine.base import EngineRequest
+from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
+from hotpool.worker.models.loader import DTYPES, load_model
+from hotpool.worker.protocol import SamplingParams
 
 NUM_OUTPUT_TOKENS = 64  # history each row carries for the penalty settings
+STEP_SHARE_TARGET = 0.05  # the sampler's most of a decode step in the engine
+PROMPT_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -150,6 +165,73 @@ def per_call_ms(fn: Callable[[], object], iters: int, budget_s: float) -> float:
     return statistics.median(times) * 1e3
 
 
+def engine_share(batch: int, steps: int, g: torch.Generator) -> None:
+    """The sampler's share of the engine's decode steps, per mix, beside HF's chain's."""
+    from bench_engine import snapshot  # benchmarks/ is the script folder
+
+    model = load_model(snapshot("bf16"), torch.device("cpu"), DTYPES["bf16"])
+    vocab = model.config.vocab_size
+    config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 160))
+    engine = LLMEngine(model, torch.device("cpu"), config)
+    engine.kv_cache.populated.wait()  # a replica past its first seconds (kv_memory.py)
+    print(
+        f"\nin the engine: SmolLM2-135M bf16, {batch} requests in flight, ~{PROMPT_TOKENS}-token "
+        f"prompts, mean of {steps} decode steps; target: sampler <= "
+        f"{STEP_SHARE_TARGET:.0%} of a step"
+    )
+    print(
+        f"{'setting':<40} {'batch':>5} {'step ms':>8} {'sampler ms':>10} {'share':>6} "
+        f"{'target':>6} {'HF ms':>8} {'HF share':>8}"
+    )
+    mixes = [(s.name, [s]) for s in SETTINGS] + [("mixed: greedy/top_k/top_p/min_p", MIXED)]
+    for n, (name, settings) in enumerate(mixes):
+        step_s, sampler_s = _decode_steps(engine, batch, settings, steps, vocab, f"m{n}")
+        outputs = torch.randint(0, vocab, (batch, NUM_OUTPUT_TOKENS), generator=g)
+        hf_s = (
+            per_call_ms(
+                hf_call(lm_like_logits(batch, vocab, g), settings[:batch], outputs), 10, 3.0
+            )
+            / 1e3
+        )
+        share = sampler_s / step_s
+        hf_share = hf_s / (step_s - sampler_s + hf_s)
+        verdict = "PASS" if share <= STEP_SHARE_TARGET else "FAIL"
+        print(
+            f"{name:<40} {batch:>5} {step_s * 1e3:>8.2f} {sampler_s * 1e3:>10.3f} "
+            f"{share:>6.1%} {verdict:>6} {hf_s * 1e3:>8.2f} {hf_share:>8.1%}"
+        )
+
+
+def _decode_steps(
+    engine: LLMEngine, batch: int, settings: list[Setting], steps: int, vocab: int, tag: str
+) -> tuple[float, float]:
+    """Mean wall time of a decode step with ``batch`` requests of these settings, and of the
+    sampling inside it (prefill steps left out)."""
+    g = torch.Generator().manual_seed(1)
+    for i in range(batch):
+        s = settings[i % len(settings)]
+        params = SamplingParams(
+            max_tokens=steps + 8, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+            min_p=s.min_p, presence_penalty=s.presence_penalty, ignore_eos=True,
+        )  # fmt: skip
+        prompt = torch.randint(100, vocab, (PROMPT_TOKENS + i % 8,), generator=g).tolist()
+        engine.add_request(EngineRequest(f"{tag}-{i}", tuple(prompt), params, frozenset()))
+    started: set[str] = set()
+    while len(started) < batch:  # prefill: every request has its first token
+        started.update(out.request_id for out in engine.step())
+    runner = engine.runner
+    step_total = sampler_total = 0.0
+    for _ in range(steps):
+        before = runner.sampler_seconds
+        t0 = time.perf_counter()
+        engine.step()
+        step_total += time.perf_counter() - t0
+        sampler_total += runner.sampler_seconds - before
+    for i in range(batch):
+        engine.abort(f"{tag}-{i}")
+    return step_total / steps, sampler_total / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
@@ -158,6 +240,14 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=3.0, help="seconds per measurement")
     parser.add_argument("--logits", choices=["lm", "flat"], default="lm")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--engine-batch",
+        type=int,
+        nargs="+",
+        default=[32],
+        help="requests in flight in the engine table (0: no engine table)",
+    )
+    parser.add_argument("--engine-steps", type=int, default=24)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -190,6 +280,9 @@ def main() -> None:
                     f"{name:<40} {vocab:>6} {batch:>5} {ours:>10.3f} {gbps:>6.2f} "
                     f"{with_lp:>11.3f} {theirs:>9.3f} {theirs / ours:>9.1f}x"
                 )
+    for batch in args.engine_batch:
+        if batch > 0:
+            engine_share(batch, args.engine_steps, g)
 
 
 if __name__ == "__main__":

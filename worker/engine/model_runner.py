@@ -7,6 +7,7 @@ and shared by every layer.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,10 @@ class ModelRunner:
         self.attention = attention_kernels(kv.k[0], model.native_ops, attention_backend)
         self.sampler_backend = sampler_backend
         self._rows: dict[str, SamplingRow] = {}  # each request's row, built once
+        # Wall time spent sampling (logits to tokens, penalties and logprobs included): the
+        # sampler's share of a step, which benchmarks/bench_sampling.py holds to 5%. On a GPU
+        # it also holds the wait for the forward pass (the results' copy to the host waits).
+        self.sampler_seconds = 0.0
 
     def release(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
@@ -81,6 +86,7 @@ class ModelRunner:
         logits = self.model.logits(hidden[torch.tensor(sample_rows, device=dev)])
         rows = [self._row(s.request) for s in samplers]
         failed: dict[str, str] = {}
+        t0 = time.perf_counter()
         try:
             out = sample(logits, rows, backend=self.sampler_backend)
         except NonFiniteLogitsError as exc:
@@ -95,6 +101,8 @@ class ModelRunner:
             if not samplers:
                 return StepOutput({}, failed)
             out = sample(logits[torch.tensor(keep, device=dev)], rows, backend=self.sampler_backend)
+        finally:
+            self.sampler_seconds += time.perf_counter() - t0
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist()
         tops: list[list[tuple[int, float]]] = [[] for _ in samplers]
