@@ -716,6 +716,7 @@ void hp_gate_up(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t
  * below -87.3 to 0, so masked (-inf) logits weigh exactly 0; a row holding NaN or +inf
  * comes out NaN throughout, as torch's softmax does. */
 #define SUM_BLOCK 1024 /* terms of one float partial sum in the row sums below */
+#define TOPK_BLOCK 64  /* weights per block maximum in hp_sample's top_k and argmax */
 
 void hp_softmax_t(const float *x, int64_t rows, int64_t v, const float *temperature, float *w) {
 #pragma omp parallel for schedule(static) if (rows > 1)
@@ -767,5 +768,228 @@ void hp_sum_above(const float *w, int64_t rows, int64_t v, const float *pivot, f
             sum += part;
         }
         out[r] = (float)sum;
+    }
+}
+
+/*
+ * The whole CPU sampler for float32 rows [rows, v] in one call (kernels/sampling_torch.py's
+ * native path), each row by one thread from its logits, in the order of
+ * kernels/sampling.py: temperature (0: greedy, the first largest), min_p, top_k, top_p,
+ * then a draw with the row's uniforms u[r * nu ...]. Weights w = exp((x - max) / t) go to a
+ * per-thread buffer that stays in the core's cache, so the logits are read twice (max,
+ * weights) and every later pass reads the buffer:
+ *
+ *   - min_p drops w < min_p (the largest weighs 1);
+ *   - top_k keeps w >= the k-th largest weight (ties at the cut stay), found with a
+ *     min-heap of k weights that skips 64-weight blocks whose maximum cannot enter it;
+ *   - the draw walks block sums, then one block; top_p is settled by rejection: a drawn
+ *     token is kept when the weights heavier than it sum below top_p of the total, else the
+ *     row draws again among those heavier ones (each draw that lands in the nucleus follows
+ *     the nucleus's distribution, so the result is exact). A row whose nu uniforms all end
+ *     rejected gets status 1 and is finished by the caller.
+ *
+ * A row without a finite largest logit (NaN, +inf, all -inf) gets some in-range token: the
+ * caller reports those rows, never their tokens.
+ */
+typedef struct {
+    float *w, *heap, *bmax;
+    double *bsum, *bheavy;
+    int64_t cap;
+} sample_buf;
+
+static __thread sample_buf tl_sample; /* libgomp's threads persist: grown once, reused */
+
+static int sample_buf_fit(sample_buf *b, int64_t v) {
+    if (b->cap >= v) return 1;
+    free(b->w), free(b->heap), free(b->bmax), free(b->bsum), free(b->bheavy);
+    int64_t nb = v / SUM_BLOCK + 1, nm = v / TOPK_BLOCK + 1;
+    b->w = malloc(sizeof(float) * v);
+    b->heap = malloc(sizeof(float) * v);
+    b->bmax = malloc(sizeof(float) * nm);
+    b->bsum = malloc(sizeof(double) * nb);
+    b->bheavy = malloc(sizeof(double) * nb);
+    b->cap = (b->w && b->heap && b->bmax && b->bsum && b->bheavy) ? v : 0;
+    return b->cap != 0;
+}
+
+/* The first index of the row's largest value (0 when nothing compares: all NaN). */
+static int64_t first_largest(const float *xr, int64_t v) {
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < v; ++j) m = xr[j] > m ? xr[j] : m;
+    for (int64_t j0 = 0; j0 < v; j0 += TOPK_BLOCK) { /* a vector test per block, then a scan */
+        int64_t j1 = j0 + TOPK_BLOCK < v ? j0 + TOPK_BLOCK : v;
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t j = j0; j < j1; ++j) hit |= xr[j] == m;
+        if (hit)
+            for (int64_t j = j0; j < j1; ++j)
+                if (xr[j] == m) return j;
+    }
+    return 0;
+}
+
+static void heap_down(float *h, int64_t n, int64_t i) {
+    for (;;) {
+        int64_t l = 2 * i + 1, s = i;
+        if (l < n && h[l] < h[s]) s = l;
+        if (l + 1 < n && h[l + 1] < h[s]) s = l + 1;
+        if (s == i) return;
+        float t = h[i];
+        h[i] = h[s], h[s] = t, i = s;
+    }
+}
+
+/* Offer x to a min-heap of the k largest values seen (n of them so far). */
+static void heap_offer(float *heap, int64_t *n, int64_t k, float x) {
+    if (*n < k) { /* sift up */
+        int64_t i = (*n)++;
+        heap[i] = x;
+        while (i > 0 && heap[(i - 1) / 2] > heap[i]) {
+            float t = heap[i];
+            heap[i] = heap[(i - 1) / 2], heap[(i - 1) / 2] = t, i = (i - 1) / 2;
+        }
+    } else if (x > heap[0]) {
+        heap[0] = x;
+        heap_down(heap, k, 0);
+    }
+}
+
+/* The k-th largest positive weight of w, or 0 when fewer than k are positive. The k-th
+ * largest block maximum is a floor for it (those maxima are k weights), so only blocks
+ * whose maximum reaches that floor are read weight by weight: about k of them. */
+static float kth_largest(const float *w, int64_t v, int64_t k, float *heap, float *bmax) {
+    int64_t nm = (v + TOPK_BLOCK - 1) / TOPK_BLOCK, n = 0;
+    for (int64_t b = 0; b < nm; ++b) {
+        int64_t j1 = (b + 1) * TOPK_BLOCK < v ? (b + 1) * TOPK_BLOCK : v;
+        float m = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = b * TOPK_BLOCK; j < j1; ++j) m = w[j] > m ? w[j] : m;
+        bmax[b] = m;
+        if (m > 0.0f) heap_offer(heap, &n, k, m);
+    }
+    float floor = n == k ? heap[0] : 0.0f;
+    n = 0;
+    for (int64_t b = 0; b < nm; ++b) {
+        if (!(bmax[b] > 0.0f) || bmax[b] < floor || (n == k && bmax[b] <= heap[0])) continue;
+        int64_t j1 = (b + 1) * TOPK_BLOCK < v ? (b + 1) * TOPK_BLOCK : v;
+        for (int64_t j = b * TOPK_BLOCK; j < j1; ++j)
+            if (w[j] > 0.0f && w[j] >= floor) heap_offer(heap, &n, k, w[j]);
+    }
+    return n == k ? heap[0] : 0.0f;
+}
+
+/* Block sums of the weights above `pivot`; returns their total. */
+static double sums_above(const float *w, int64_t v, float pivot, double *bs) {
+    double total = 0.0;
+    for (int64_t b = 0, j0 = 0; j0 < v; ++b, j0 += SUM_BLOCK) {
+        int64_t j1 = j0 + SUM_BLOCK < v ? j0 + SUM_BLOCK : v;
+        float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+        for (int64_t j = j0; j < j1; ++j) part += w[j] > pivot ? w[j] : 0.0f;
+        bs[b] = part;
+        total += part;
+    }
+    return total;
+}
+
+/* A token drawn with probability proportional to its weight, among weights above `pivot`
+ * (block sums `bs`, total `mass`), at u * mass along the row. */
+static int64_t draw_above(const float *w, int64_t v, float pivot, const double *bs, double mass,
+                          float u) {
+    double target = (double)u * mass, acc = 0.0;
+    int64_t last = -1;
+    for (int64_t b = 0, j0 = 0; j0 < v; ++b, j0 += SUM_BLOCK) {
+        int64_t j1 = j0 + SUM_BLOCK < v ? j0 + SUM_BLOCK : v;
+        if (acc + bs[b] <= target) {
+            acc += bs[b];
+            if (bs[b] > 0.0) last = b; /* a block with weight, if rounding runs off the end */
+            continue;
+        }
+        double in = acc;
+        for (int64_t j = j0; j < j1; ++j) {
+            if (w[j] > pivot) {
+                in += w[j];
+                if (in > target) return j;
+            }
+        }
+        acc += bs[b]; /* the block's float sum rounded above the scan's: on to the next */
+        last = b;
+    }
+    if (last < 0) return -1;
+    int64_t j0 = last * SUM_BLOCK, j1 = j0 + SUM_BLOCK < v ? j0 + SUM_BLOCK : v;
+    for (int64_t j = j1 - 1; j >= j0; --j)
+        if (w[j] > pivot) return j;
+    return -1;
+}
+
+static int64_t sample_row(const float *xr, int64_t v, float t, int64_t k, float top_p,
+                          float min_p, const float *u, int64_t nu, sample_buf *buf, int *status) {
+    *status = 0;
+    if (t < 1e-5f || k == 1) return first_largest(xr, v);
+    float m = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+    for (int64_t j = 0; j < v; ++j) {
+        m = xr[j] > m ? xr[j] : m;
+        nan |= xr[j] != xr[j];
+    }
+    if (nan || !isfinite(m)) return first_largest(xr, v);
+    float *w = buf->w, inv_t = 1.0f / t;
+    double total = 0.0;
+    for (int64_t b = 0, j0 = 0; j0 < v; ++b, j0 += SUM_BLOCK) {
+        int64_t j1 = j0 + SUM_BLOCK < v ? j0 + SUM_BLOCK : v;
+        float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+        for (int64_t j = j0; j < j1; ++j) {
+            float z = (xr[j] - m) * inv_t;
+            float e = z < -87.3f ? 0.0f : exp_f32(z);
+            e = e < min_p ? 0.0f : e;
+            w[j] = e;
+            part += e;
+        }
+        buf->bsum[b] = part;
+        total += part;
+    }
+    float pivot = -1.0f; /* every weight is above it */
+    if (k > 1 && k < v) {
+        float cut = kth_largest(w, v, k, buf->heap, buf->bmax);
+        if (cut > 0.0f) pivot = nextafterf(cut, 0.0f); /* keep w >= cut */
+        total = sums_above(w, v, pivot, buf->bsum);
+    }
+    if (!(total > 0.0)) return first_largest(xr, v);
+    double *bs = buf->bsum, *heavy = buf->bheavy;
+    int64_t tok = draw_above(w, v, pivot, bs, total, u[0]);
+    if (top_p >= 1.0f || tok < 0) return tok < 0 ? first_largest(xr, v) : tok;
+    double nucleus = (double)top_p * total, mass = total;
+    for (int64_t i = 1;; ++i) {
+        double above = sums_above(w, v, w[tok], heavy);
+        if (above < nucleus) return tok; /* the tokens heavier than it weigh under top_p */
+        if (i == nu) break;
+        pivot = w[tok], mass = above;
+        double *swap = bs;
+        bs = heavy, heavy = swap;
+        int64_t next = draw_above(w, v, pivot, bs, mass, u[i]);
+        if (next < 0) break;
+        tok = next;
+    }
+    *status = 1;
+    return tok;
+}
+
+void hp_sample(const float *x, int64_t rows, int64_t v, const float *temperature,
+               const int64_t *top_k, const float *top_p, const float *min_p, const float *u,
+               int64_t nu, int64_t *tokens, int32_t *status) {
+#pragma omp parallel for schedule(dynamic, 1) if (rows > 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        int st = 0;
+        if (!sample_buf_fit(&tl_sample, v)) {
+            tokens[r] = first_largest(x + r * v, v);
+            status[r] = 2; /* no memory for this row's buffer: the caller samples it */
+            continue;
+        }
+        tokens[r] = sample_row(x + r * v, v, temperature[r], top_k[r], top_p[r], min_p[r],
+                               u + r * nu, nu, &tl_sample, &st);
+        status[r] = st;
     }
 }

@@ -47,6 +47,7 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "hp_gate_up": (_P, _I, _I, _P, _I, _P, ctypes.c_int, _P),
     "hp_softmax_t": (_P, _I, _I, _P, _P),
     "hp_sum_above": (_P, _I, _I, _P, _P),
+    "hp_sample": (_P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P),
 }
 
 
@@ -348,6 +349,40 @@ class CpuOps:
         out = w.new_empty(w.shape[0], 1)
         self._lib.hp_sum_above(w.data_ptr(), w.shape[0], w.shape[1], p.data_ptr(), out.data_ptr())
         return out
+
+    def sample(
+        self,
+        x: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        uniforms: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row of float32 logits ``x`` ``[R, V]`` (contiguous), with each
+        row's float32 ``temperature`` (below 1e-5: greedy), int64 ``top_k`` (0: off),
+        ``top_p``, ``min_p`` and ``uniforms`` ``[R, N]`` in [0, 1) (the draw's, then one
+        per top_p rejection round). Returns the tokens ``[R]`` int64 and a status ``[R]``
+        int32: 0 sampled; 1 top_p rejected every draw, 2 no buffer: the caller samples
+        those rows."""
+        _f32_rows(x, "x")
+        rows = x.shape[0]
+        t = _f32_column(temperature, rows, "temperature")
+        p, m = _f32_column(top_p, rows, "top_p"), _f32_column(min_p, rows, "min_p")
+        if top_k.dtype != torch.int64 or top_k.numel() != rows:
+            raise ValueError(f"top_k must hold {rows} int64 values, got {top_k.dtype}")
+        k = top_k.reshape(rows).contiguous()
+        _f32_rows(uniforms, "uniforms")
+        if uniforms.shape[0] != rows or uniforms.shape[1] < 1:
+            raise ValueError(f"uniforms must be [{rows}, N >= 1], got {tuple(uniforms.shape)}")
+        tokens = torch.empty(rows, dtype=torch.int64)
+        status = torch.empty(rows, dtype=torch.int32)
+        self._lib.hp_sample(
+            x.data_ptr(), rows, x.shape[1], t.data_ptr(), k.data_ptr(), p.data_ptr(),
+            m.data_ptr(), uniforms.data_ptr(), uniforms.shape[1], tokens.data_ptr(),
+            status.data_ptr(),
+        )  # fmt: skip
+        return tokens, status
 
 
 def _f32_rows(t: torch.Tensor, name: str) -> None:

@@ -18,17 +18,18 @@ Each row carries its own parameters (``SamplingRow``). Every path applies them i
 
 Where tokens tie at a cut (equal to the k-th largest logit, or at the top-p crossing),
 which of them stay differs by path: the reference keeps the lowest ids (a stable sort), the
-torch path's sorts keep as many as the cut allows, in no set order, its rejection top-p keeps
-every token of the crossing's weight, and the Triton kernel every token of the crossing's
-logit. Otherwise every path draws from the same distribution.
+torch code's sorts keep as many as the cut allows, in no set order, its rejection top-p and
+the CPU's C sampler keep every token of the cut's weight, and the Triton kernel every token
+of the cut's logit. Otherwise every path draws from the same distribution.
 
 Paths (``sample(..., backend=...)``; None picks the Triton kernel for CUDA logits in
 fp32/bf16/fp16 when triton imports, compiled rather than interpreted; the torch path
 otherwise):
 
-- ``"torch"`` (``sampling_torch``): batched torch, fast on the CPU (rejection top-p, no
-  sort for rows without top_k); other devices sort top-p rows and never wait for the device
-  until the results are copied to the host, once.
+- ``"torch"`` (``sampling_torch``): on the CPU, one call of a C kernel samples the whole
+  batch (``cpu_ops.hp_sample``: a thread per row, rejection top-p, no sort); where it does
+  not load, and on other devices, batched torch (those sort top-p rows and never wait for
+  the device until the results are copied to the host, once).
 - ``"triton"`` (``triton_sampling``): one fused kernel, a few passes over each row, no
   sorted copy. Penalties are applied by torch before it; the sampled token's logprob comes
   from the kernel, or from torch when penalties changed the logits, and top-N logprobs from

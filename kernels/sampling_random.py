@@ -30,6 +30,25 @@ def uniforms(generators: Sequence[torch.Generator | None]) -> list[float]:
     return [next(shared) if g is None else torch.rand(1, generator=g).item() for g in generators]
 
 
+def uniform_draws(
+    generators: Sequence[torch.Generator | None], counts: Sequence[int]
+) -> list[float]:
+    """``counts[i]`` uniforms in [0, 1) for row i, one list row after row: from the row's own
+    generator, else torch's default (one draw for all of those rows)."""
+    shared = iter(
+        torch.rand(sum(n for n, g in zip(counts, generators, strict=True) if g is None)).tolist()
+    )
+    out: list[float] = []
+    for n, g in zip(counts, generators, strict=True):
+        if n:
+            out.extend(
+                torch.rand(n, generator=g).tolist()
+                if g is not None
+                else [next(shared) for _ in range(n)]
+            )
+    return out
+
+
 def philox_seeds(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int]]:
     """Each row's ``(seed, offset)`` for the Triton kernel, as int64 values: the row's own
     seed; else one drawn from its generator; else one drawn from torch's default generator.

@@ -1,6 +1,13 @@
 """The batched torch sampler: the fast path on the CPU, and the path on any device without
 Triton. It returns tokens only; ``hotpool.kernels.sampling`` adds logprobs and copies back.
 
+On the CPU, where the C kernels load (``cpu_ops``), the whole batch is sampled in one call
+of ``hp_sample``: each row by one thread, from its logits to its token, its weights kept in
+the core's cache; no group of rows is gathered and no op is dispatched per filter, which
+on a decode step's batch cost more than the passes themselves. A row whose top_p rejection
+runs out of uniforms (rare: a small top_p over a flat row) is finished by the torch code
+below, with fresh uniforms.
+
 Rows with ``top_k`` work on its candidates, sorted. Rows without it never sort: their
 probabilities are summed in blocks, the uniform picks a block, then a token inside it. On the
 CPU their top-p is settled by rejection: a drawn token is kept when the tokens heavier than it
@@ -21,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from hotpool.kernels import cpu_ops
-from hotpool.kernels.sampling_random import uniforms
+from hotpool.kernels.sampling_random import uniform_draws, uniforms
 from hotpool.kernels.sampling_transfer import to_device
 from hotpool.kernels.sampling_types import SamplingRow
 
@@ -30,6 +37,8 @@ from hotpool.kernels.sampling_types import SamplingRow
 _REJECTION_DEVICES = ("cpu",)
 # Rows still unsettled after this many rejection rounds are sampled through a full sort.
 _MAX_REJECTION_ROUNDS = 6
+# Uniforms a row takes into the C sampler: the draw's, then one per top_p rejection round.
+_NATIVE_DRAWS = 4
 # Long rows are reduced in blocks of this many columns before a search inside one block.
 _BLOCK = 256
 _TOPK_BLOCK = 128
@@ -43,6 +52,42 @@ def torch_sample_tokens(
 ) -> torch.Tensor:
     """One token ``[B]`` int64 per row of the (penalized) float32 logits ``x``, on its device.
     ``generators``: each row's, None for torch's default generator."""
+    native = _native(x)
+    if native is not None and not all(r.greedy for r in rows):  # (argmax is quicker alone)
+        return _sample_native(native, x, rows, generators)
+    return _sample_torch(x, rows, generators)
+
+
+def _sample_native(
+    native: cpu_ops.CpuOps,
+    x: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    v = x.shape[1]
+    need = [0 if r.greedy else _NATIVE_DRAWS if r.top_p < 1.0 else 1 for r in rows]
+    drawn = iter(uniform_draws(generators, need))
+    table = [[next(drawn) if j < n else 0.0 for j in range(_NATIVE_DRAWS)] for n in need]
+    tokens, status = native.sample(
+        x.contiguous(),
+        torch.tensor([0.0 if r.greedy else r.temperature for r in rows], dtype=torch.float32),
+        torch.tensor([r.top_k if 0 < r.top_k < v else 0 for r in rows], dtype=torch.int64),
+        torch.tensor([r.top_p for r in rows], dtype=torch.float32),
+        torch.tensor([r.min_p for r in rows], dtype=torch.float32),
+        torch.tensor(table, dtype=torch.float32),
+    )
+    left = status.nonzero().squeeze(1)
+    if left.numel():  # rejected at every draw: finished exactly, with fresh uniforms
+        idx = left.tolist()
+        tokens[left] = _sample_torch(
+            x.index_select(0, left), [rows[i] for i in idx], [generators[i] for i in idx]
+        )
+    return tokens
+
+
+def _sample_torch(
+    x: torch.Tensor, rows: Sequence[SamplingRow], generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
     b, v = x.shape
     greedy: list[int] = []
     full: list[int] = []  # no top_k: the whole row, unsorted

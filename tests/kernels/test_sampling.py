@@ -45,12 +45,21 @@ def fixed_seed() -> None:
     torch.manual_seed(1234)  # unseeded rows draw from the default generator
 
 
-@pytest.fixture(params=["rejection", "sorted"])
+@pytest.fixture(params=["native", "rejection", "sorted"])
 def nucleus_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Top-p rows without top_k: rejection on the CPU, or the full sort other devices use."""
+    """The CPU's C sampler (one call for the batch); the torch code's rejection top-p; or
+    the full sort other devices use for top-p rows without top_k."""
+    if request.param != "native":
+        monkeypatch.setattr(sampling_torch, "_sample_native", _torch_only)
     if request.param == "sorted":
         monkeypatch.setattr(sampling_torch, "_REJECTION_DEVICES", ())
     return str(request.param)
+
+
+def _torch_only(
+    native: object, x: torch.Tensor, rows: list[SamplingRow], gens: list[torch.Generator | None]
+) -> torch.Tensor:
+    return sampling_torch._sample_torch(x, rows, gens)
 
 
 # --- greedy ------------------------------------------------------------------------------
@@ -200,6 +209,17 @@ def test_rejection_rounds_do_not_change_the_distribution(
     assert_large_vocab_matches(*LARGE[case])
 
 
+@pytest.mark.parametrize("draws", [1, 16], ids=["torch finishes each rejection", "rejections"])
+@pytest.mark.parametrize("case", ["flat,top_p=0.03", "top_k=300,top_p=0.8"])
+def test_the_c_samplers_rejections_and_their_fallback_do_not_change_the_distribution(
+    draws: int, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One uniform a row: every rejected draw leaves the row to the torch code; sixteen: the
+    # C sampler itself redraws among the heavier tokens, round after round.
+    monkeypatch.setattr(sampling_torch, "_NATIVE_DRAWS", draws)
+    assert_large_vocab_matches(*LARGE[case])
+
+
 @pytest.mark.parametrize("draw", [0.0, 1 - 2**-24], ids=["lowest", "highest"])
 @pytest.mark.parametrize(
     "row", [SamplingRow(top_p=0.9), SamplingRow(top_k=3000, top_p=0.9)], ids=["full", "top_k"]
@@ -210,12 +230,14 @@ def test_extreme_uniform_draws_stay_inside_the_nucleus(
     # Over a long row the sums round differently by an ulp or two; a draw just under 1 must
     # still land on a token top-p kept, never on one it cut.
     monkeypatch.setattr(sampling_torch, "uniforms", lambda gens: [draw] * len(gens))
+    monkeypatch.setattr(sampling_torch, "uniform_draws", lambda gens, n: [draw] * sum(n))
     logits = torch.randn(20, 4096) * 3
     tokens = sample(logits, [row] * 20).token_ids
     for i in range(20):
         probs = reference_probs(logits[i], row)
         assert probs[tokens[i]] > 0, f"row {i}: token {tokens[i]} is outside the top-p set"
-        if draw == 0.0 and (row.top_k or nucleus_path == "sorted"):  # sorted candidates
+        sorted_path = nucleus_path == "sorted" or (row.top_k and nucleus_path == "rejection")
+        if draw == 0.0 and sorted_path:  # sorted candidates: the lowest draw is the largest
             assert tokens[i] == logits[i].argmax()
 
 
