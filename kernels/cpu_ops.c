@@ -718,18 +718,26 @@ void hp_gate_up(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t
 #define SUM_BLOCK 1024 /* terms of one float partial sum in the row sums below */
 #define TOPK_BLOCK 64  /* weights per block maximum in hp_sample's top_k and argmax */
 
+/* The row's largest value (NaNs left out), and in *nan whether it holds one. */
+static float row_max(const float *xr, int64_t v, int *nan) {
+    float m = -INFINITY;
+    int n = 0;
+#pragma omp simd reduction(max : m) reduction(| : n)
+    for (int64_t j = 0; j < v; ++j) {
+        m = xr[j] > m ? xr[j] : m;
+        n |= xr[j] != xr[j];
+    }
+    *nan = n;
+    return m;
+}
+
 void hp_softmax_t(const float *x, int64_t rows, int64_t v, const float *temperature, float *w) {
 #pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; ++r) {
         const float *xr = x + r * v;
         float *wr = w + r * v;
-        float m = -INFINITY;
-        int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-        for (int64_t j = 0; j < v; ++j) {
-            m = xr[j] > m ? xr[j] : m;
-            nan |= xr[j] != xr[j];
-        }
+        int nan;
+        float m = row_max(xr, v, &nan);
         /* The normaliser: float sums of SUM_BLOCK terms (vectorised), added up in double.
            One float sum over a vocabulary's 10^5 terms drifts by ~1e-5 (relative) with the
            summation order, which the vector width decides. */
@@ -927,13 +935,8 @@ static int64_t sample_row(const float *xr, int64_t v, float t, int64_t k, float 
                           float min_p, const float *u, int64_t nu, sample_buf *buf, int *status) {
     *status = 0;
     if (t < 1e-5f || k == 1) return first_largest(xr, v);
-    float m = -INFINITY;
-    int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-    for (int64_t j = 0; j < v; ++j) {
-        m = xr[j] > m ? xr[j] : m;
-        nan |= xr[j] != xr[j];
-    }
+    int nan;
+    float m = row_max(xr, v, &nan);
     if (nan || !isfinite(m)) return first_largest(xr, v);
     float *w = buf->w, inv_t = 1.0f / t;
     double total = 0.0;
