@@ -796,6 +796,12 @@ void hp_sum_above(const float *w, int64_t rows, int64_t v, const float *pivot, f
  *     the nucleus's distribution, so the result is exact). A row whose nu uniforms all end
  *     rejected gets status 1 and is finished by the caller.
  *
+ * Penalties first, where a row has them (kernels/sampling.py's formulas): the row is copied
+ * into the buffer and the tokens of ids[off[3r] .. off[3r+1]) (the prompt's) and of
+ * ids[off[3r+1] .. off[3r+2]) (the output's) are penalized there, each value computed from
+ * the logit itself, so a repeated id is penalized once, except by frequency, which counts
+ * every occurrence. The ids are in [0, v) (the caller checks). rep == NULL: no penalties.
+ *
  * A row without a finite largest logit (NaN, +inf, all -inf) gets some in-range token: the
  * caller reports those rows, never their tokens.
  */
@@ -931,6 +937,25 @@ static int64_t draw_above(const float *w, int64_t v, float pivot, const double *
     return -1;
 }
 
+static inline float repetition(float x, float penalty) {
+    return x > 0.0f ? x / penalty : x * penalty;
+}
+
+/* The row's penalized logits, in w (a copy of xr with the ids' logits changed). */
+static void penalize(const float *xr, int64_t v, const int64_t *ids, const int64_t *off,
+                     float rep, float presence, float frequency, float *w) {
+    memcpy(w, xr, sizeof(float) * v);
+    if (rep != 1.0f)
+        for (int64_t i = off[0]; i < off[2]; ++i) w[ids[i]] = repetition(xr[ids[i]], rep);
+    if (presence != 0.0f || frequency != 0.0f) {
+        for (int64_t i = off[1]; i < off[2]; ++i) {
+            float x = rep != 1.0f ? repetition(xr[ids[i]], rep) : xr[ids[i]];
+            w[ids[i]] = x - presence;
+        }
+        for (int64_t i = off[1]; i < off[2]; ++i) w[ids[i]] -= frequency;
+    }
+}
+
 static int64_t sample_row(const float *xr, int64_t v, float t, int64_t k, float top_p,
                           float min_p, const float *u, int64_t nu, sample_buf *buf, int *status) {
     *status = 0;
@@ -982,17 +1007,27 @@ static int64_t sample_row(const float *xr, int64_t v, float t, int64_t k, float 
 
 void hp_sample(const float *x, int64_t rows, int64_t v, const float *temperature,
                const int64_t *top_k, const float *top_p, const float *min_p, const float *u,
-               int64_t nu, int64_t *tokens, int32_t *status) {
+               int64_t nu, const int64_t *ids, const int64_t *off, const float *rep,
+               const float *presence, const float *frequency, int64_t *tokens,
+               int32_t *status) {
 #pragma omp parallel for schedule(dynamic, 1) if (rows > 1)
     for (int64_t r = 0; r < rows; ++r) {
         int st = 0;
-        if (!sample_buf_fit(&tl_sample, v)) {
+        sample_buf *buf = &tl_sample;
+        if (!sample_buf_fit(buf, v)) {
             tokens[r] = first_largest(x + r * v, v);
             status[r] = 2; /* no memory for this row's buffer: the caller samples it */
             continue;
         }
-        tokens[r] = sample_row(x + r * v, v, temperature[r], top_k[r], top_p[r], min_p[r],
-                               u + r * nu, nu, &tl_sample, &st);
+        const float *xr = x + r * v;
+        if (rep != NULL && (rep[r] != 1.0f || presence[r] != 0.0f || frequency[r] != 0.0f)) {
+            /* The penalized copy is the row from here on: max and weights read it, and the
+               weights overwrite it in place. */
+            penalize(xr, v, ids, off + 3 * r, rep[r], presence[r], frequency[r], buf->w);
+            xr = buf->w;
+        }
+        tokens[r] = sample_row(xr, v, temperature[r], top_k[r], top_p[r], min_p[r],
+                               u + r * nu, nu, buf, &st);
         status[r] = st;
     }
 }

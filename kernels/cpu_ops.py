@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -47,7 +48,7 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "hp_gate_up": (_P, _I, _I, _P, _I, _P, ctypes.c_int, _P),
     "hp_softmax_t": (_P, _I, _I, _P, _P),
     "hp_sum_above": (_P, _I, _I, _P, _P),
-    "hp_sample": (_P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P),
+    "hp_sample": (_P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P),
 }
 
 
@@ -358,11 +359,13 @@ class CpuOps:
         top_p: torch.Tensor,
         min_p: torch.Tensor,
         uniforms: torch.Tensor,
+        penalties: Penalties | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row of float32 logits ``x`` ``[R, V]`` (contiguous), with each
         row's float32 ``temperature`` (below 1e-5: greedy), int64 ``top_k`` (0: off),
-        ``top_p``, ``min_p`` and ``uniforms`` ``[R, N]`` in [0, 1) (the draw's, then one
-        per top_p rejection round). Returns the tokens ``[R]`` int64 and a status ``[R]``
+        ``top_p``, ``min_p``, ``uniforms`` ``[R, N]`` in [0, 1) (the draw's, then one per
+        top_p rejection round) and ``penalties`` (applied to a copy of each penalized row;
+        ``x`` is not changed). Returns the tokens ``[R]`` int64 and a status ``[R]``
         int32: 0 sampled; 1 top_p rejected every draw, 2 no buffer: the caller samples
         those rows."""
         _f32_rows(x, "x")
@@ -375,14 +378,53 @@ class CpuOps:
         _f32_rows(uniforms, "uniforms")
         if uniforms.shape[0] != rows or uniforms.shape[1] < 1:
             raise ValueError(f"uniforms must be [{rows}, N >= 1], got {tuple(uniforms.shape)}")
+        pointers: tuple[int | None, ...] = (None,) * 5  # no penalties
+        if penalties is not None:
+            penalties.check(rows, x.shape[1])
+            pointers = tuple(
+                getattr(penalties, name).data_ptr()
+                for name in ("ids", "offsets", "repetition", "presence", "frequency")
+            )
         tokens = torch.empty(rows, dtype=torch.int64)
         status = torch.empty(rows, dtype=torch.int32)
         self._lib.hp_sample(
             x.data_ptr(), rows, x.shape[1], t.data_ptr(), k.data_ptr(), p.data_ptr(),
-            m.data_ptr(), uniforms.data_ptr(), uniforms.shape[1], tokens.data_ptr(),
-            status.data_ptr(),
+            m.data_ptr(), uniforms.data_ptr(), uniforms.shape[1], *pointers,
+            tokens.data_ptr(), status.data_ptr(),
         )  # fmt: skip
         return tokens, status
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """What ``CpuOps.sample`` penalizes, per row r: ``ids[offsets[r, 0]:offsets[r, 1]]`` are
+    the prompt's tokens (repetition only), ``ids[offsets[r, 1]:offsets[r, 2]]`` the
+    output's; ``repetition``, ``presence`` and ``frequency`` float32 ``[R]``."""
+
+    ids: torch.Tensor  # int64, flat, each in [0, V)
+    offsets: torch.Tensor  # int64 [R, 3]
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+
+    def check(self, rows: int, v: int) -> None:
+        for name in ("repetition", "presence", "frequency"):
+            t = getattr(self, name)
+            if t.dtype != torch.float32 or t.shape != (rows,) or not t.is_contiguous():
+                raise ValueError(f"penalties.{name} must be [{rows}] float32, got {t.shape}")
+        off = self.offsets
+        if off.dtype != torch.int64 or off.shape != (rows, 3) or not off.is_contiguous():
+            raise ValueError(f"penalties.offsets must be [{rows}, 3] int64, got {off.shape}")
+        ids = self.ids
+        if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous():
+            raise ValueError("penalties.ids must be a flat int64 tensor")
+        n = ids.numel()
+        if rows and (
+            bool((off[:, 1:] < off[:, :-1]).any()) or int(off.min()) < 0 or int(off.max()) > n
+        ):
+            raise ValueError("penalties.offsets must be ascending ranges inside penalties.ids")
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= v):
+            raise ValueError(f"penalty token ids must be in [0, {v})")
 
 
 def _f32_rows(t: torch.Tensor, name: str) -> None:

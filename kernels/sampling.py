@@ -126,10 +126,10 @@ def _triton_kernels() -> ModuleType | None:
 
 def _sample_torch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     raw = logits.float()
-    x = apply_penalties(raw, rows) if any(r.has_penalty for r in rows) else raw
-    # A row without a distribution samples some in-range token, harmlessly: it is found
-    # below for free and never returned.
-    tokens = torch_sample_tokens(x, rows, row_generators(rows))
+    # Penalties are applied there, to a copy (raw logits give the logprobs below). A row
+    # without a distribution samples some in-range token, harmlessly: it is found below for
+    # free and never returned.
+    tokens = torch_sample_tokens(raw, rows, row_generators(rows))
     n = _num_logprobs(rows, raw.shape[1])
     if n or any(r.logprob for r in rows):
         # log_softmax is NaN throughout a row with NaN or +inf, or with no finite logit, and

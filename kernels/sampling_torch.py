@@ -23,11 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from hotpool.kernels import cpu_ops
+from hotpool.kernels.sampling_penalties import apply_penalties
 from hotpool.kernels.sampling_random import uniform_draws, uniforms
 from hotpool.kernels.sampling_transfer import to_device
 from hotpool.kernels.sampling_types import SamplingRow
@@ -48,14 +51,20 @@ _SCALE_SAFE = 1e37
 
 
 def torch_sample_tokens(
-    x: torch.Tensor, rows: Sequence[SamplingRow], generators: Sequence[torch.Generator | None]
+    raw: torch.Tensor, rows: Sequence[SamplingRow], generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
-    """One token ``[B]`` int64 per row of the (penalized) float32 logits ``x``, on its device.
-    ``generators``: each row's, None for torch's default generator."""
-    native = _native(x)
-    if native is not None and not all(r.greedy for r in rows):  # (argmax is quicker alone)
-        return _sample_native(native, x, rows, generators)
-    return _sample_torch(x, rows, generators)
+    """One token ``[B]`` int64 per row of the float32 logits ``raw``, on its device, each
+    row's penalties applied first (to a copy: ``raw`` is left as it is). ``generators``:
+    each row's, None for torch's default generator."""
+    native = _native(raw)
+    # A batch of greedy rows without penalties is quicker through argmax alone.
+    if native is not None and not all(r.greedy and not r.has_penalty for r in rows):
+        return _sample_native(native, raw, rows, generators)
+    return _sample_torch(_penalized(raw, rows), rows, generators)
+
+
+def _penalized(raw: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    return apply_penalties(raw, rows) if any(r.has_penalty for r in rows) else raw
 
 
 def _sample_native(
@@ -75,14 +84,42 @@ def _sample_native(
         torch.tensor([r.top_p for r in rows], dtype=torch.float32),
         torch.tensor([r.min_p for r in rows], dtype=torch.float32),
         torch.tensor(table, dtype=torch.float32),
+        _penalties(rows, v) if any(r.has_penalty for r in rows) else None,
     )
     left = status.nonzero().squeeze(1)
     if left.numel():  # rejected at every draw: finished exactly, with fresh uniforms
         idx = left.tolist()
+        sub = [rows[i] for i in idx]
         tokens[left] = _sample_torch(
-            x.index_select(0, left), [rows[i] for i in idx], [generators[i] for i in idx]
+            _penalized(x.index_select(0, left), sub), sub, [generators[i] for i in idx]
         )
     return tokens
+
+
+def _penalties(rows: Sequence[SamplingRow], v: int) -> cpu_ops.Penalties:
+    """The rows' penalties as the C sampler takes them: the prompt's tokens where a row has a
+    repetition penalty, the output's where it has any."""
+    parts: list[Sequence[int]] = []
+    offsets: list[int] = []
+    n = 0
+    for r in rows:
+        offsets.append(n)
+        if r.repetition_penalty != 1.0:
+            parts.append(r.prompt_token_ids)
+            n += len(r.prompt_token_ids)
+        offsets.append(n)
+        if r.has_penalty:
+            parts.append(r.output_token_ids)
+            n += len(r.output_token_ids)
+        offsets.append(n)
+    ids = np.fromiter(chain.from_iterable(parts), dtype=np.int64, count=n)
+    return cpu_ops.Penalties(
+        torch.from_numpy(ids),
+        torch.tensor(offsets, dtype=torch.int64).view(len(rows), 3),
+        torch.tensor([r.repetition_penalty for r in rows], dtype=torch.float32),
+        torch.tensor([r.presence_penalty for r in rows], dtype=torch.float32),
+        torch.tensor([r.frequency_penalty for r in rows], dtype=torch.float32),
+    )
 
 
 def _sample_torch(

@@ -59,7 +59,7 @@ def nucleus_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 def _torch_only(
     native: object, x: torch.Tensor, rows: list[SamplingRow], gens: list[torch.Generator | None]
 ) -> torch.Tensor:
-    return sampling_torch._sample_torch(x, rows, gens)
+    return sampling_torch._sample_torch(sampling_torch._penalized(x, rows), rows, gens)
 
 
 # --- greedy ------------------------------------------------------------------------------
