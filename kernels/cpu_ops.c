@@ -731,6 +731,31 @@ static float row_max(const float *xr, int64_t v, int *nan) {
     return m;
 }
 
+/* w = exp((x - m) * inv_t), 0 where that is below min_p (or its argument below -87.3: -inf
+ * logits weigh exactly 0); returns the sum, taken as float sums of SUM_BLOCK terms
+ * (vectorised) added up in double, each block's kept in bsum when it is not NULL. One float
+ * sum over a vocabulary's 10^5 terms drifts by ~1e-5 (relative) with the summation order,
+ * which the vector width decides. */
+static double exp_weights(const float *xr, int64_t v, float m, float inv_t, float min_p,
+                          float *w, double *bsum) {
+    double total = 0.0;
+    for (int64_t b = 0, j0 = 0; j0 < v; ++b, j0 += SUM_BLOCK) {
+        int64_t j1 = j0 + SUM_BLOCK < v ? j0 + SUM_BLOCK : v;
+        float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+        for (int64_t j = j0; j < j1; ++j) {
+            float z = (xr[j] - m) * inv_t;
+            float e = z < -87.3f ? 0.0f : exp_f32(z);
+            e = e < min_p ? 0.0f : e;
+            w[j] = e;
+            part += e;
+        }
+        if (bsum != NULL) bsum[b] = part;
+        total += part;
+    }
+    return total;
+}
+
 void hp_softmax_t(const float *x, int64_t rows, int64_t v, const float *temperature, float *w) {
 #pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; ++r) {
@@ -738,23 +763,7 @@ void hp_softmax_t(const float *x, int64_t rows, int64_t v, const float *temperat
         float *wr = w + r * v;
         int nan;
         float m = row_max(xr, v, &nan);
-        /* The normaliser: float sums of SUM_BLOCK terms (vectorised), added up in double.
-           One float sum over a vocabulary's 10^5 terms drifts by ~1e-5 (relative) with the
-           summation order, which the vector width decides. */
-        float inv_t = 1.0f / temperature[r];
-        double sum = 0.0;
-        for (int64_t j0 = 0; j0 < v; j0 += SUM_BLOCK) {
-            int64_t j1 = j0 + SUM_BLOCK < v ? j0 + SUM_BLOCK : v;
-            float part = 0.0f;
-#pragma omp simd reduction(+ : part)
-            for (int64_t j = j0; j < j1; ++j) {
-                float z = (xr[j] - m) * inv_t;
-                float e = z < -87.3f ? 0.0f : exp_f32(z);
-                wr[j] = e;
-                part += e;
-            }
-            sum += part;
-        }
+        double sum = exp_weights(xr, v, m, 1.0f / temperature[r], 0.0f, wr, NULL);
         float inv = nan ? NAN : (float)(1.0 / sum);
 #pragma omp simd
         for (int64_t j = 0; j < v; ++j) wr[j] *= inv;
@@ -963,22 +972,8 @@ static int64_t sample_row(const float *xr, int64_t v, float t, int64_t k, float 
     int nan;
     float m = row_max(xr, v, &nan);
     if (nan || !isfinite(m)) return first_largest(xr, v);
-    float *w = buf->w, inv_t = 1.0f / t;
-    double total = 0.0;
-    for (int64_t b = 0, j0 = 0; j0 < v; ++b, j0 += SUM_BLOCK) {
-        int64_t j1 = j0 + SUM_BLOCK < v ? j0 + SUM_BLOCK : v;
-        float part = 0.0f;
-#pragma omp simd reduction(+ : part)
-        for (int64_t j = j0; j < j1; ++j) {
-            float z = (xr[j] - m) * inv_t;
-            float e = z < -87.3f ? 0.0f : exp_f32(z);
-            e = e < min_p ? 0.0f : e;
-            w[j] = e;
-            part += e;
-        }
-        buf->bsum[b] = part;
-        total += part;
-    }
+    float *w = buf->w;
+    double total = exp_weights(xr, v, m, 1.0f / t, min_p, w, buf->bsum);
     float pivot = -1.0f; /* every weight is above it */
     if (k > 1 && k < v) {
         float cut = kth_largest(w, v, k, buf->heap, buf->bmax);
