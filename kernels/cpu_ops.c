@@ -815,7 +815,8 @@ void hp_sum_above(const float *w, int64_t rows, int64_t v, const float *pivot, f
  * caller reports those rows, never their tokens.
  */
 typedef struct {
-    float *w, *heap, *bmax;
+    float *w, *heap, *bmax; /* heap: then top_k's candidates, packed */
+    int64_t *at;            /* each candidate's place in the row */
     double *bsum, *bheavy;
     int64_t cap;
 } sample_buf;
@@ -824,14 +825,15 @@ static __thread sample_buf tl_sample; /* libgomp's threads persist: grown once, 
 
 static int sample_buf_fit(sample_buf *b, int64_t v) {
     if (b->cap >= v) return 1;
-    free(b->w), free(b->heap), free(b->bmax), free(b->bsum), free(b->bheavy);
+    free(b->w), free(b->heap), free(b->bmax), free(b->at), free(b->bsum), free(b->bheavy);
     int64_t nb = v / SUM_BLOCK + 1, nm = v / TOPK_BLOCK + 1;
     b->w = malloc(sizeof(float) * v);
     b->heap = malloc(sizeof(float) * v);
     b->bmax = malloc(sizeof(float) * nm);
+    b->at = malloc(sizeof(int64_t) * v);
     b->bsum = malloc(sizeof(double) * nb);
     b->bheavy = malloc(sizeof(double) * nb);
-    b->cap = (b->w && b->heap && b->bmax && b->bsum && b->bheavy) ? v : 0;
+    b->cap = (b->w && b->heap && b->bmax && b->at && b->bsum && b->bheavy) ? v : 0;
     return b->cap != 0;
 }
 
@@ -900,6 +902,20 @@ static float kth_largest(const float *w, int64_t v, int64_t k, float *heap, floa
             if (w[j] > 0.0f && w[j] >= floor) heap_offer(heap, &n, k, w[j]);
     }
     return n == k ? heap[0] : 0.0f;
+}
+
+/* The weights >= cut, packed into cw in row order, their places in at; returns how many.
+ * Only blocks whose maximum (bmax, from kth_largest) reaches the cut are read. */
+static int64_t gather_top(const float *w, int64_t v, float cut, const float *bmax, float *cw,
+                          int64_t *at) {
+    int64_t n = 0;
+    for (int64_t b = 0, j0 = 0; j0 < v; ++b, j0 += TOPK_BLOCK) {
+        if (!(bmax[b] >= cut)) continue;
+        int64_t j1 = j0 + TOPK_BLOCK < v ? j0 + TOPK_BLOCK : v;
+        for (int64_t j = j0; j < j1; ++j)
+            if (w[j] >= cut) cw[n] = w[j], at[n++] = j;
+    }
+    return n;
 }
 
 /* Block sums of the weights above `pivot`; returns their total. */
@@ -974,30 +990,36 @@ static int64_t sample_row(const float *xr, int64_t v, float t, int64_t k, float 
     if (nan || !isfinite(m)) return first_largest(xr, v);
     float *w = buf->w;
     double total = exp_weights(xr, v, m, 1.0f / t, min_p, w, buf->bsum);
-    float pivot = -1.0f; /* every weight is above it */
+    const int64_t *at = NULL; /* with top_k: the draw reads the packed candidates */
+    int64_t n = v;
     if (k > 1 && k < v) {
         float cut = kth_largest(w, v, k, buf->heap, buf->bmax);
-        if (cut > 0.0f) pivot = nextafterf(cut, 0.0f); /* keep w >= cut */
-        total = sums_above(w, v, pivot, buf->bsum);
+        if (cut > 0.0f) {
+            n = gather_top(w, v, cut, buf->bmax, buf->heap, buf->at);
+            w = buf->heap, at = buf->at;
+            total = sums_above(w, n, -1.0f, buf->bsum);
+        }
     }
     if (!(total > 0.0)) return first_largest(xr, v);
     double *bs = buf->bsum, *heavy = buf->bheavy;
-    int64_t tok = draw_above(w, v, pivot, bs, total, u[0]);
-    if (top_p >= 1.0f || tok < 0) return tok < 0 ? first_largest(xr, v) : tok;
-    double nucleus = (double)top_p * total, mass = total;
-    for (int64_t i = 1;; ++i) {
-        double above = sums_above(w, v, w[tok], heavy);
-        if (above < nucleus) return tok; /* the tokens heavier than it weigh under top_p */
-        if (i == nu) break;
-        pivot = w[tok], mass = above;
-        double *swap = bs;
-        bs = heavy, heavy = swap;
-        int64_t next = draw_above(w, v, pivot, bs, mass, u[i]);
-        if (next < 0) break;
-        tok = next;
+    int64_t tok = draw_above(w, n, -1.0f, bs, total, u[0]);
+    if (tok < 0) return first_largest(xr, v);
+    if (top_p < 1.0f) {
+        double nucleus = (double)top_p * total;
+        for (int64_t i = 1;; ++i) {
+            double above = sums_above(w, n, w[tok], heavy);
+            if (above < nucleus) break; /* the tokens heavier than it weigh under top_p */
+            int64_t next = i < nu ? draw_above(w, n, w[tok], heavy, above, u[i]) : -1;
+            if (next < 0) {
+                *status = 1;
+                break;
+            }
+            double *swap = bs;
+            bs = heavy, heavy = swap;
+            tok = next;
+        }
     }
-    *status = 1;
-    return tok;
+    return at != NULL ? at[tok] : tok;
 }
 
 void hp_sample(const float *x, int64_t rows, int64_t v, const float *temperature,
