@@ -1022,18 +1022,21 @@ static int64_t sample_row(const float *xr, int64_t v, float t, int64_t k, float 
     return at != NULL ? at[tok] : tok;
 }
 
-void hp_sample(const float *x, int64_t rows, int64_t v, const float *temperature,
-               const int64_t *top_k, const float *top_p, const float *min_p, const float *u,
-               int64_t nu, const int64_t *ids, const int64_t *off, const float *rep,
-               const float *presence, const float *frequency, int64_t *tokens,
-               int32_t *status) {
-#pragma omp parallel for schedule(dynamic, 1) if (rows > 1)
+/* Returns how many rows got a nonzero status (the caller's to sample). */
+int64_t hp_sample(const float *x, int64_t rows, int64_t v, const float *temperature,
+                  const int64_t *top_k, const float *top_p, const float *min_p, const float *u,
+                  int64_t nu, const int64_t *ids, const int64_t *off, const float *rep,
+                  const float *presence, const float *frequency, int64_t *tokens,
+                  int32_t *status) {
+    int64_t left = 0;
+#pragma omp parallel for schedule(dynamic, 1) if (rows > 1) reduction(+ : left)
     for (int64_t r = 0; r < rows; ++r) {
         int st = 0;
         sample_buf *buf = &tl_sample;
         if (!sample_buf_fit(buf, v)) {
             tokens[r] = first_largest(x + r * v, v);
             status[r] = 2; /* no memory for this row's buffer: the caller samples it */
+            ++left;
             continue;
         }
         const float *xr = x + r * v;
@@ -1046,5 +1049,7 @@ void hp_sample(const float *x, int64_t rows, int64_t v, const float *temperature
         tokens[r] = sample_row(xr, v, temperature[r], top_k[r], top_p[r], min_p[r],
                                u + r * nu, nu, buf, &st);
         status[r] = st;
+        left += st != 0;
     }
+    return left;
 }

@@ -116,7 +116,8 @@ class CpuOps:
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes = args
-            fn.restype = None
+            fn.restype = None  # hp_sample's is set below
+        lib.hp_sample.restype = ctypes.c_int64
         lib.hp_avx512_bf16.argtypes = ()
         lib.hp_avx512_bf16.restype = ctypes.c_int
         self._lib = lib
@@ -360,14 +361,14 @@ class CpuOps:
         min_p: torch.Tensor,
         uniforms: torch.Tensor,
         penalties: Penalties | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One token per row of float32 logits ``x`` ``[R, V]`` (contiguous), with each
         row's float32 ``temperature`` (below 1e-5: greedy), int64 ``top_k`` (0: off),
         ``top_p``, ``min_p``, ``uniforms`` ``[R, N]`` in [0, 1) (the draw's, then one per
         top_p rejection round) and ``penalties`` (applied to a copy of each penalized row;
-        ``x`` is not changed). Returns the tokens ``[R]`` int64 and a status ``[R]``
-        int32: 0 sampled; 1 top_p rejected every draw, 2 no buffer: the caller samples
-        those rows."""
+        ``x`` is not changed). Returns the tokens ``[R]`` int64, a status ``[R]`` int32 (0
+        sampled; 1 top_p rejected every draw, 2 no buffer: the caller samples those rows)
+        and how many rows have a nonzero status."""
         _f32_rows(x, "x")
         rows = x.shape[0]
         t = _f32_column(temperature, rows, "temperature")
@@ -387,12 +388,12 @@ class CpuOps:
             )
         tokens = torch.empty(rows, dtype=torch.int64)
         status = torch.empty(rows, dtype=torch.int32)
-        self._lib.hp_sample(
+        left = self._lib.hp_sample(
             x.data_ptr(), rows, x.shape[1], t.data_ptr(), k.data_ptr(), p.data_ptr(),
             m.data_ptr(), uniforms.data_ptr(), uniforms.shape[1], *pointers,
             tokens.data_ptr(), status.data_ptr(),
         )  # fmt: skip
-        return tokens, status
+        return tokens, status, int(left)
 
 
 @dataclass(frozen=True)
@@ -418,12 +419,11 @@ class Penalties:
         ids = self.ids
         if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous():
             raise ValueError("penalties.ids must be a flat int64 tensor")
-        n = ids.numel()
-        if rows and (
-            bool((off[:, 1:] < off[:, :-1]).any()) or int(off.min()) < 0 or int(off.max()) > n
-        ):
+        # numpy: a few calls per batch, each cheaper than a torch op's dispatch
+        o, n = off.numpy(), ids.numel()
+        if rows and (bool((o[:, 1:] < o[:, :-1]).any()) or o.min() < 0 or o.max() > n):
             raise ValueError("penalties.offsets must be ascending ranges inside penalties.ids")
-        if n and (int(ids.min()) < 0 or int(ids.max()) >= v):
+        if n and (ids.numpy().min() < 0 or ids.numpy().max() >= v):
             raise ValueError(f"penalty token ids must be in [0, {v})")
 
 

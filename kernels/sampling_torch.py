@@ -21,6 +21,7 @@ load, torch runs them).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -73,21 +74,28 @@ def _sample_native(
     rows: Sequence[SamplingRow],
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
-    v = x.shape[1]
+    b, v = x.shape
     need = [0 if r.greedy else _NATIVE_DRAWS if r.top_p < 1.0 else 1 for r in rows]
     drawn = iter(uniform_draws(generators, need))
-    table = [[next(drawn) if j < n else 0.0 for j in range(_NATIVE_DRAWS)] for n in need]
-    tokens, status = native.sample(
+    # Built with array (C loops over Python numbers), one tensor each: every torch op costs
+    # microseconds of dispatch, more when a forward pass has just pushed its code out of cache.
+    table = array("f", [next(drawn) if j < n else 0.0 for n in need for j in range(_NATIVE_DRAWS)])
+    params = array("f", [0.0 if r.greedy else r.temperature for r in rows])
+    params.extend([r.top_p for r in rows])
+    params.extend([r.min_p for r in rows])
+    floats = torch.frombuffer(params, dtype=torch.float32).view(3, b)
+    tokens, status, unsettled = native.sample(
         x.contiguous(),
-        torch.tensor([0.0 if r.greedy else r.temperature for r in rows], dtype=torch.float32),
-        torch.tensor([r.top_k if 0 < r.top_k < v else 0 for r in rows], dtype=torch.int64),
-        torch.tensor([r.top_p for r in rows], dtype=torch.float32),
-        torch.tensor([r.min_p for r in rows], dtype=torch.float32),
-        torch.tensor(table, dtype=torch.float32),
+        floats[0],
+        torch.frombuffer(array("q", [r.top_k if 0 < r.top_k < v else 0 for r in rows]),
+                         dtype=torch.int64),
+        floats[1],
+        floats[2],
+        torch.frombuffer(table, dtype=torch.float32).view(b, _NATIVE_DRAWS),
         _penalties(rows, v) if any(r.has_penalty for r in rows) else None,
-    )
-    left = status.nonzero().squeeze(1)
-    if left.numel():  # rejected at every draw: finished exactly, with fresh uniforms
+    )  # fmt: skip
+    if unsettled:  # rejected at every draw: finished exactly, with fresh uniforms
+        left = status.nonzero().squeeze(1)
         idx = left.tolist()
         sub = [rows[i] for i in idx]
         tokens[left] = _sample_torch(
@@ -113,12 +121,16 @@ def _penalties(rows: Sequence[SamplingRow], v: int) -> cpu_ops.Penalties:
             n += len(r.output_token_ids)
         offsets.append(n)
     ids = np.fromiter(chain.from_iterable(parts), dtype=np.int64, count=n)
+    values = array("f", [r.repetition_penalty for r in rows])
+    values.extend([r.presence_penalty for r in rows])
+    values.extend([r.frequency_penalty for r in rows])
+    each = torch.frombuffer(values, dtype=torch.float32).view(3, len(rows))
     return cpu_ops.Penalties(
         torch.from_numpy(ids),
-        torch.tensor(offsets, dtype=torch.int64).view(len(rows), 3),
-        torch.tensor([r.repetition_penalty for r in rows], dtype=torch.float32),
-        torch.tensor([r.presence_penalty for r in rows], dtype=torch.float32),
-        torch.tensor([r.frequency_penalty for r in rows], dtype=torch.float32),
+        torch.frombuffer(array("q", offsets), dtype=torch.int64).view(len(rows), 3),
+        each[0],
+        each[1],
+        each[2],
     )
 
 
