@@ -770,22 +770,26 @@ void hp_softmax_t(const float *x, int64_t rows, int64_t v, const float *temperat
     }
 }
 
+/* The sum of the weights strictly above `pivot` (0 for a NaN pivot), as hp_softmax_t's
+ * normaliser: float sums of SUM_BLOCK terms added up in double, each kept in bs when it is
+ * not NULL. */
+static double sums_above(const float *w, int64_t v, float pivot, double *bs) {
+    double total = 0.0;
+    for (int64_t b = 0, j0 = 0; j0 < v; ++b, j0 += SUM_BLOCK) {
+        int64_t j1 = j0 + SUM_BLOCK < v ? j0 + SUM_BLOCK : v;
+        float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+        for (int64_t j = j0; j < j1; ++j) part += w[j] > pivot ? w[j] : 0.0f;
+        if (bs != NULL) bs[b] = part;
+        total += part;
+    }
+    return total;
+}
+
 /* out[r] = the sum of row r's weights strictly above pivot[r] (0 for a NaN pivot). */
 void hp_sum_above(const float *w, int64_t rows, int64_t v, const float *pivot, float *out) {
 #pragma omp parallel for schedule(static) if (rows > 1)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *wr = w + r * v;
-        float p = pivot[r];
-        double sum = 0.0; /* blocks of float sums, as hp_softmax_t's normaliser */
-        for (int64_t j0 = 0; j0 < v; j0 += SUM_BLOCK) {
-            int64_t j1 = j0 + SUM_BLOCK < v ? j0 + SUM_BLOCK : v;
-            float part = 0.0f;
-#pragma omp simd reduction(+ : part)
-            for (int64_t j = j0; j < j1; ++j) part += wr[j] > p ? wr[j] : 0.0f;
-            sum += part;
-        }
-        out[r] = (float)sum;
-    }
+    for (int64_t r = 0; r < rows; ++r) out[r] = (float)sums_above(w + r * v, v, pivot[r], NULL);
 }
 
 /*
@@ -798,7 +802,8 @@ void hp_sum_above(const float *w, int64_t rows, int64_t v, const float *pivot, f
  *
  *   - min_p drops w < min_p (the largest weighs 1);
  *   - top_k keeps w >= the k-th largest weight (ties at the cut stay), found with a
- *     min-heap of k weights that skips 64-weight blocks whose maximum cannot enter it;
+ *     min-heap fed from the blocks of 64 whose maxima reach the k-th largest block maximum;
+ *     the kept weights are packed, and what follows reads them instead of the row;
  *   - the draw walks block sums, then one block; top_p is settled by rejection: a drawn
  *     token is kept when the weights heavier than it sum below top_p of the total, else the
  *     row draws again among those heavier ones (each draw that lands in the nucleus follows
@@ -839,9 +844,8 @@ static int sample_buf_fit(sample_buf *b, int64_t v) {
 
 /* The first index of the row's largest value (0 when nothing compares: all NaN). */
 static int64_t first_largest(const float *xr, int64_t v) {
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < v; ++j) m = xr[j] > m ? xr[j] : m;
+    int nan;
+    float m = row_max(xr, v, &nan);
     for (int64_t j0 = 0; j0 < v; j0 += TOPK_BLOCK) { /* a vector test per block, then a scan */
         int64_t j1 = j0 + TOPK_BLOCK < v ? j0 + TOPK_BLOCK : v;
         int hit = 0;
@@ -916,20 +920,6 @@ static int64_t gather_top(const float *w, int64_t v, float cut, const float *bma
             if (w[j] >= cut) cw[n] = w[j], at[n++] = j;
     }
     return n;
-}
-
-/* Block sums of the weights above `pivot`; returns their total. */
-static double sums_above(const float *w, int64_t v, float pivot, double *bs) {
-    double total = 0.0;
-    for (int64_t b = 0, j0 = 0; j0 < v; ++b, j0 += SUM_BLOCK) {
-        int64_t j1 = j0 + SUM_BLOCK < v ? j0 + SUM_BLOCK : v;
-        float part = 0.0f;
-#pragma omp simd reduction(+ : part)
-        for (int64_t j = j0; j < j1; ++j) part += w[j] > pivot ? w[j] : 0.0f;
-        bs[b] = part;
-        total += part;
-    }
-    return total;
 }
 
 /* A token drawn with probability proportional to its weight, among weights above `pivot`

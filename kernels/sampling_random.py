@@ -26,8 +26,7 @@ def row_generators(rows: Sequence[SamplingRow]) -> list[torch.Generator | None]:
 
 def uniforms(generators: Sequence[torch.Generator | None]) -> list[float]:
     """One uniform in [0, 1) per row: from the row's own generator, else torch's default."""
-    shared = iter(torch.rand(sum(g is None for g in generators)).tolist())
-    return [next(shared) if g is None else torch.rand(1, generator=g).item() for g in generators]
+    return uniform_draws(generators, [1] * len(generators))
 
 
 def uniform_draws(

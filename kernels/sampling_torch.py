@@ -8,13 +8,14 @@ on a decode step's batch cost more than the passes themselves. A row whose top_p
 runs out of uniforms (rare: a small top_p over a flat row) is finished by the torch code
 below, with fresh uniforms.
 
-Rows with ``top_k`` work on its candidates, sorted. Rows without it never sort: their
-probabilities are summed in blocks, the uniform picks a block, then a token inside it. On the
-CPU their top-p is settled by rejection: a drawn token is kept when the tokens heavier than it
-weigh less than ``top_p`` of the total, otherwise the row draws again among the tokens heavier
-than the rejected one (FlashInfer's pivot), and after a few rounds finishes with a sort. Other
-devices sort those rows at once, so a call never waits for the device. On the CPU the
-full-row path's two costliest steps, the scaled softmax and the weight above a pivot, run
+The torch code (where the C kernels do not load, on other devices, for the rows the C call
+leaves): rows with ``top_k`` work on its candidates, sorted. Rows without it never sort:
+their probabilities are summed in blocks, the uniform picks a block, then a token inside it.
+On the CPU their top-p is settled by rejection: a drawn token is kept when the tokens heavier
+than it weigh less than ``top_p`` of the total, otherwise the row draws again among the tokens
+heavier than the rejected one (FlashInfer's pivot), and after a few rounds finishes with a
+sort. Other devices sort those rows at once, so a call never waits for the device. On the CPU
+the full-row path's two costliest steps, the scaled softmax and the weight above a pivot, run
 in C (``cpu_ops``: one pass each where torch made two or three; where the kernels do not
 load, torch runs them).
 """

@@ -200,23 +200,23 @@ def test_large_vocab_distribution_matches_the_reference(
     assert_large_vocab_matches(scale, row)
 
 
-@pytest.mark.parametrize("rounds", [0, 100], ids=["sort at once", "reject until done"])
-@pytest.mark.parametrize("case", ["flat,top_p=0.9", "flat,top_p=0.03"])
+@pytest.mark.parametrize(
+    ("knob", "value"),
+    [("_MAX_REJECTION_ROUNDS", 0), ("_MAX_REJECTION_ROUNDS", 100),
+     ("_NATIVE_DRAWS", 1), ("_NATIVE_DRAWS", 16)],
+    ids=["torch: sort at once", "torch: reject until done",
+         "C: torch finishes each rejection", "C: rejections"],
+)  # fmt: skip
+@pytest.mark.parametrize("case", ["flat,top_p=0.9", "flat,top_p=0.03", "top_k=300,top_p=0.8"])
 def test_rejection_rounds_do_not_change_the_distribution(
-    rounds: int, case: str, monkeypatch: pytest.MonkeyPatch
+    knob: str, value: int, case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sampling_torch, "_MAX_REJECTION_ROUNDS", rounds)
-    assert_large_vocab_matches(*LARGE[case])
-
-
-@pytest.mark.parametrize("draws", [1, 16], ids=["torch finishes each rejection", "rejections"])
-@pytest.mark.parametrize("case", ["flat,top_p=0.03", "top_k=300,top_p=0.8"])
-def test_the_c_samplers_rejections_and_their_fallback_do_not_change_the_distribution(
-    draws: int, case: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # One uniform a row: every rejected draw leaves the row to the torch code; sixteen: the
-    # C sampler itself redraws among the heavier tokens, round after round.
-    monkeypatch.setattr(sampling_torch, "_NATIVE_DRAWS", draws)
+    # The torch code's rounds (the C call left out), or the C call's uniforms: with one, every
+    # rejected draw leaves the row to the torch code; with sixteen the C call redraws among
+    # the heavier tokens itself, round after round.
+    monkeypatch.setattr(sampling_torch, knob, value)
+    if knob == "_MAX_REJECTION_ROUNDS":
+        monkeypatch.setattr(sampling_torch, "_sample_native", _torch_only)
     assert_large_vocab_matches(*LARGE[case])
 
 
