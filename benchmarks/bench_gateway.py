@@ -13,7 +13,12 @@ requests, with ``--max-tokens`` output tokens (greedy, EOS ignored), go two ways
            routing, the replica lease, the relay of the worker's stream, SSE framing, the
            ledger and metrics.
 
-Each path has one keep-alive client (hotpool's lean HTTP/1.1 stream client: see ``Paths``).
+One load client sends both paths' requests over keep-alive connections: by default a small
+C program (``stream_client.c``, built with the system compiler on first use: see
+``native_client``), which spends a few microseconds per event where the Python client
+(``--client python``: asyncio and hotpool's lean HTTP/1.1 stream client, see ``Paths``)
+spends ~1 ms of CPU per 16-token stream; on a small box the client shares the control
+plane's core, so its CPU counts against the gateway path alone.
 At concurrency 1 the paths alternate request by request (``--requests`` each); at
 concurrency 32 they alternate round by round (``--rounds`` rounds of 32 simultaneous streams
 each), so drift on a shared machine hits both alike. Both paths are warmed up first. The
@@ -52,6 +57,7 @@ The run exits nonzero only if a request failed; PASS/FAIL per row is information
     python benchmarks/bench_gateway.py
     python benchmarks/bench_gateway.py --requests 500 --rounds 40 --no-auth --json out.json
     python benchmarks/bench_gateway.py --client-core worker
+    python benchmarks/bench_gateway.py --client python
 """
 
 from __future__ import annotations
@@ -76,8 +82,9 @@ from typing import Any
 
 import httpx
 import numpy as np
+from native_client import NativeClient, Target, build  # benchmarks/ is the script folder
 from safetensors.numpy import save_file
-from serve_process import pct, serve, wait_for  # benchmarks/ is the script folder
+from serve_process import pct, serve, wait_for
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hotpool.billing.db import Database
@@ -304,7 +311,8 @@ def _process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def cpu_snapshot(cp_pid: int, worker_pid: int) -> CpuSnapshot:
+def cpu_snapshot(cp_pid: int, worker_pid: int, client_pid: int | None = None) -> CpuSnapshot:
+    """``client_pid``: the native client's process, counted with this one as the client."""
     try:
         jiffies = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         idle = jiffies[3] + jiffies[4]  # idle + iowait
@@ -312,6 +320,8 @@ def cpu_snapshot(cp_pid: int, worker_pid: int) -> CpuSnapshot:
     except (OSError, ValueError, IndexError):
         busy = total = math.nan
     client = sum(os.times()[:2])  # this process: the benchmark's client
+    if client_pid is not None:
+        client += _process_cpu_s(client_pid)
     return CpuSnapshot(_process_cpu_s(cp_pid), _process_cpu_s(worker_pid), client, busy, total)
 
 
@@ -362,8 +372,12 @@ class Paths:
     def sender(self, path: str) -> Callable[[], Awaitable[Sample]]:
         return self.via_gateway if path == "gateway" else self.via_direct
 
-    async def via_gateway(self) -> Sample:
-        body = {
+    async def batch(self, path: str, count: int) -> list[Sample]:
+        send = self.sender(path)
+        return list(await asyncio.gather(*(send() for _ in range(count))))
+
+    def gateway_body(self) -> dict[str, Any]:
+        return {
             "model": DEPLOYMENT,
             "prompt": PROMPT,
             "max_tokens": self.max_tokens,
@@ -372,6 +386,16 @@ class Paths:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+
+    def direct_body(self, request_id: str) -> dict[str, Any]:
+        return {
+            "request_id": request_id,
+            "prompt": PROMPT,
+            "params": {"max_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True},
+        }
+
+    async def via_gateway(self) -> Sample:
+        body = self.gateway_body()
         s = Sample("gateway")
         done = False
         t0 = time.perf_counter()
@@ -407,11 +431,7 @@ class Paths:
         return _check(s, self.max_tokens)
 
     async def via_direct(self) -> Sample:
-        body = {
-            "request_id": f"bench-direct-{uuid.uuid4().hex}",
-            "prompt": PROMPT,
-            "params": {"max_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True},
-        }
+        body = self.direct_body(f"bench-direct-{uuid.uuid4().hex}")
         s = Sample("direct")
         finished = False
         t0 = time.perf_counter()
@@ -441,6 +461,37 @@ class Paths:
         return _check(s, self.max_tokens)
 
 
+class NativePaths:
+    """The same two paths and requests, sent by the C client (``native_client``): what
+    differs between the paths is still only the server side, and the client's own CPU,
+    which on a small box is taken from the gateway path alone, is a few microseconds an
+    event instead of ~1 ms a stream."""
+
+    def __init__(self, binary: Path, paths: Paths) -> None:
+        bearer = paths.gateway_headers.get("authorization", "Bearer local")
+        targets = [
+            Target("gateway", "sse", paths.gateway_url + "/v1/completions", bearer,
+                   paths.gateway_body()),
+            Target("direct", "ndjson", paths.direct_url + "/generate", f"Bearer {WORKER_TOKEN}",
+                   paths.direct_body("bench-direct-@@REQUEST_ID@@")),
+        ]  # fmt: skip
+        self.client = NativeClient(binary, targets, paths.timeout_s)
+        self.max_tokens = paths.max_tokens
+
+    async def batch(self, path: str, count: int) -> list[Sample]:
+        # Blocking is fine: nothing else runs on this event loop while a batch is out.
+        return [
+            _check(
+                Sample(path, o.ttft, o.total, max(o.tokens, 0), o.request_id, o.error),
+                self.max_tokens,
+            )
+            for o in self.client.batch(path, count)
+        ]
+
+    async def close(self) -> None:
+        self.client.close()
+
+
 def _check(s: Sample, max_tokens: int) -> Sample:
     if s.error is None and s.tokens != max_tokens:
         s.error = f"{s.tokens} completion tokens, asked for {max_tokens}"
@@ -449,15 +500,16 @@ def _check(s: Sample, max_tokens: int) -> Sample:
     return s
 
 
-async def measure(paths: Paths, concurrency: int, batches: int) -> dict[str, list[Sample]]:
+async def measure(
+    paths: Paths | NativePaths, concurrency: int, batches: int
+) -> dict[str, list[Sample]]:
     """``batches`` batches of ``concurrency`` simultaneous requests per path; the paths
     alternate batch by batch, and which goes first alternates too."""
     out: dict[str, list[Sample]] = {"direct": [], "gateway": []}
     for b in range(batches):
         order = ("direct", "gateway") if b % 2 == 0 else ("gateway", "direct")
         for path in order:
-            send = paths.sender(path)
-            out[path] += await asyncio.gather(*(send() for _ in range(concurrency)))
+            out[path] += await paths.batch(path, concurrency)
     return out
 
 
@@ -589,7 +641,12 @@ async def drive(
     pids: tuple[int, int],
 ) -> tuple[dict[int, dict[str, list[Sample]]], dict[int, dict[str, float]]]:
     """The samples per concurrency and path, and the CPU each process used per phase."""
-    paths = Paths(srv.url, address, headers, args.max_tokens, args.request_timeout)
+    python_paths = Paths(srv.url, address, headers, args.max_tokens, args.request_timeout)
+    paths: Paths | NativePaths = python_paths
+    client_pid = None
+    if args.client == "native":
+        paths = NativePaths(args.native_binary, python_paths)
+        client_pid = paths.client.pid
     try:
         print(f"[{name}] warming up both paths", flush=True)
         for c, batches in ((1, args.warmup), (args.concurrency, 2)):
@@ -602,14 +659,16 @@ async def drive(
         settle_heap()
         results, cpu = {}, {}
         for c, batches in ((1, args.requests), (args.concurrency, args.rounds)):
-            t, before = time.perf_counter(), cpu_snapshot(*pids)
+            t, before = time.perf_counter(), cpu_snapshot(*pids, client_pid)
             results[c] = await measure(paths, c, batches)
-            cpu[c] = cpu_snapshot(*pids).since(before)
+            cpu[c] = cpu_snapshot(*pids, client_pid).since(before)
             print(f"[{name}] c={c}: {2 * c * batches} requests in "
                   f"{time.perf_counter() - t:.1f}s", flush=True)  # fmt: skip
         return results, cpu
     finally:
         await paths.close()
+        if paths is not python_paths:
+            await python_paths.close()
 
 
 def summarize(
@@ -679,7 +738,7 @@ def report(phases: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
         f"tiny random-weight Llama (2 layers, hidden 64) on CPU ({os.cpu_count()} cores), one "
         f"replica, worker threads {args.worker_threads}, "
-        f"{layout(args)}, 1-minute load average "
+        f"{layout(args)}, {args.client} client, 1-minute load average "
         f"{args.load_average['before']:.2f} before / {args.load_average['after']:.2f} after; "
         f"{args.max_tokens} output tokens per "
         f"request, greedy, EOS ignored; c=1: {args.requests} requests per path, "
@@ -804,9 +863,20 @@ def main() -> int:
         default=True,
         help="also run with HOTPOOL_AUTH=keys and an API key (default: on)",
     )
+    ap.add_argument(
+        "--client",
+        choices=("native", "python"),
+        default="native",
+        help="the load client: C (stream_client.c, built with the system compiler; the "
+        "default) or Python (asyncio and hotpool's stream client: ~1 ms of CPU a stream)",
+    )
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--json", help="also write the summary to this file")
     args = ap.parse_args()
+    args.native_binary = build(CACHE) if args.client == "native" else None
+    if args.client == "native" and args.native_binary is None:
+        print("note: no C compiler found; the Python client is used (--client python)")
+        args.client = "python"
     uri = snapshot()
     load_before = os.getloadavg()[0]
     if load_before > 0.5:
