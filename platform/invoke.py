@@ -218,7 +218,8 @@ class Invoker:
             except WorkerRefused as exc:
                 if exc.status == 503:  # shutting down: another replica, as if unreachable
                     raise httpx.ConnectError(f"the worker is shutting down: {exc}") from exc
-                raise _refused(exc.status, exc.message) from exc
+                text_field = "messages" if request.messages is not None else "prompt"
+                raise _refused(exc, text_field) from exc
 
     async def close(self) -> None:
         await self.muxes.aclose()
@@ -345,7 +346,11 @@ def _token_gap(tally: _Tally, event: GenerateEvent, now: float) -> float | None:
     return None if previous is None else now - previous
 
 
-def _refused(status: int, message: str) -> APIError:
-    if status == 400:  # the request itself is bad (prompt too long, template failure)
-        return APIError(400, message)
-    return APIError(502, f"worker error ({status}): {message}", type="api_error")
+def _refused(exc: WorkerRefused, text_field: str) -> APIError:
+    """The client's error for a worker's refusal; ``text_field`` names the request's text
+    (``messages`` or ``prompt``), what a request past the model's context is blamed on, as
+    OpenAI does."""
+    if exc.status == 400:  # the request itself is bad (prompt too long, template failure)
+        param = text_field if exc.code == "context_length_exceeded" else None
+        return APIError(400, exc.message, param=param, code=exc.code)
+    return APIError(502, f"worker error ({exc.status}): {exc.message}", type="api_error")

@@ -548,7 +548,10 @@ CHAT_REQUEST = obj(
     {
         **OPENAI_COMMON,
         "messages": arr(ref("ChatMessage"), minItems=1),
-        "max_completion_tokens": {**NUL_INT_1, "description": "Wins over `max_tokens`."},
+        "max_completion_tokens": {
+            **NUL_INT_1,
+            "description": "The newer name of `max_tokens`; given both, they must be equal.",
+        },
         "logprobs": null(BOOL),
         "top_logprobs": null(integer(0, MAX_LOGPROBS, description="Needs `logprobs: true`.")),
         "tools": unsupported(null(arr({}, maxItems=0))),

@@ -52,7 +52,16 @@ class CompletionCall:
 def parse_chat(body: Any) -> CompletionCall:
     b = Body(body, CHAT_FIELDS)
     messages = parse_messages(b)
-    max_tokens = b.opt_int("max_completion_tokens", 1) or b.opt_int("max_tokens", 1)
+    # Both are validated: a bad `max_tokens` beside a good `max_completion_tokens` is still
+    # a mistake to report, and two different limits leave no way to know which was meant.
+    new, old = b.opt_int("max_completion_tokens", 1), b.opt_int("max_tokens", 1)
+    if new is not None and old is not None and new != old:
+        raise invalid(
+            f"`max_completion_tokens` ({new}) and `max_tokens` ({old}) disagree: give one "
+            "(`max_tokens` is the older name of `max_completion_tokens`)",
+            "max_tokens",
+        )
+    max_tokens = new if new is not None else old
     b.unsupported_unless("tools", lambda v: not v)
     b.unsupported_unless("tool_choice", lambda v: v in (None, "none"))
     b.unsupported_unless("parallel_tool_calls", lambda v: v is None)

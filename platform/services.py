@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,9 @@ from hotpool.pool.registry import WorkerRegistry
 from hotpool.settings import Settings
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# JSON can spell a UTF-16 surrogate as an escape (UTF-8 text cannot hold one): only a body
+# with such an escape can decode to a string holding an unpaired one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 @dataclass
@@ -56,8 +60,49 @@ async def read_json(request: Request) -> Any:
     if not body:
         raise APIError(400, "the request body is empty; expected a JSON object")
     try:
-        return json.loads(body)
+        value = json.loads(body)
     # ValueError also covers an integer of more than 4300 digits; RecursionError, nesting
     # too deep for the parser. Both are the client's bad input, not a server error.
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(body) and (where := unpaired_surrogate(value)) is not None:
+        # Python's json module accepts "\ud800" alone, but such a string is not Unicode text:
+        # it cannot be encoded, stored, tokenized or echoed in an error message.
+        raise APIError(
+            400,
+            f"{where or 'the request body'} holds an unpaired UTF-16 surrogate escape "
+            "(\\ud800-\\udfff without its pair), which is not a character",
+            param=where or None,
+        )
+    return value
+
+
+def unpaired_surrogate(value: Any) -> str | None:
+    """Where in decoded JSON a string (a value or a key) holds an unpaired surrogate: a path
+    like ``messages[0].content`` ("" for the top level), or None. Iterative: the body may
+    nest as deep as the parser allows."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if _unencodable(v):
+                return path
+        elif isinstance(v, dict):
+            for key, item in v.items():
+                inner = f"{path}.{key}" if path else key
+                if _unencodable(key):
+                    return path
+                stack.append((inner, item))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+    return None
+
+
+def _unencodable(s: str) -> bool:
+    if s.isascii():
+        return False
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return True
+    return False

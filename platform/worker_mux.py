@@ -39,9 +39,9 @@ MUX_PATH = "/generate/mux"
 class WorkerRefused(Exception):
     """The worker answered a generation with an error before its first event."""
 
-    def __init__(self, status: int, message: str, kind: str) -> None:
+    def __init__(self, status: int, message: str, kind: str, code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.code = status, message, kind, code
 
 
 class _End:
@@ -200,7 +200,12 @@ class WorkerMux:
                         stream.put(GenerateEvent.from_json(event))
                     elif (err := frame.get("error")) is not None:
                         stream.put(
-                            WorkerRefused(int(err["status"]), str(err["message"]), err["type"])
+                            WorkerRefused(
+                                int(err["status"]),
+                                str(err["message"]),
+                                err["type"],
+                                err.get("code"),
+                            )
                         )
                     elif frame.get("end"):
                         stream.put(_END)

@@ -323,6 +323,10 @@ class WorkerPool:
     def _make_room(self, waiting: Replica) -> None:
         if self._evicting or self._closing:
             return  # one release at a time; when it ends, _grant runs again
+        if (old := self._outdated_for(waiting)) is not None:
+            self._evicting += 1
+            self._spawn(self._evict(old, f"rolled over to version {waiting.generation}"))
+            return
         others = [
             r
             for r in self.replicas()
@@ -344,6 +348,29 @@ class WorkerPool:
             return
         self._evicting += 1
         self._spawn(self._evict(victim, reason))
+
+    def _outdated_for(self, waiting: Replica) -> Replica | None:
+        """A roll-over with no free worker for the new version beside the old: a ready
+        replica of ``waiting``'s deployment that runs a version no longer served (neither
+        the stable one nor the canary), which then drains (its requests finish; new ones
+        queue for the new version) and hands its worker over. Without this the new version
+        never got a worker (the old held it, and only other deployments are evicted), and
+        the queue behind it stalled. One at a time: not while a replica of the deployment
+        is starting, so where the pool has several old replicas the others serve on until
+        the new one is ready (then the autoscaler drains them all)."""
+        versions = self._versions(waiting.deployment)
+        mine = self.replicas(waiting.deployment)
+        if waiting.generation not in versions or any(
+            r.state in (ReplicaState.COLD, ReplicaState.LOADING) for r in mine
+        ):
+            return None
+        old = [r for r in mine if r.state is ReplicaState.READY and r.generation not in versions]
+        return min(old, key=lambda r: (r.inflight, r.last_used), default=None)
+
+    def _versions(self, deployment: str) -> set[int]:
+        """The versions of ``deployment`` that serve now: the stable one and the canary."""
+        spec, canary = self._specs.get(deployment), self._canaries.get(deployment)
+        return {s.generation for s in (spec, canary) if s is not None}
 
     async def _evict(self, victim: Replica, reason: str) -> None:
         try:

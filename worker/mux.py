@@ -162,9 +162,14 @@ class _Exchange:
             self.running[rid] = asyncio.ensure_future(self._generate(req))
 
     async def _refuse(
-        self, rid: str, status: int, message: str, kind: str = "invalid_request_error"
+        self,
+        rid: str,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
     ) -> None:
-        error = {"status": status, "message": message, "type": kind}
+        error = {"status": status, "message": message, "type": kind, "code": code}
         await self._write(
             (json.dumps({"id": rid, "error": error}) + "\n").encode() + _end_line(rid)
         )
@@ -180,7 +185,7 @@ class _Exchange:
                 await self._refuse(rid, 409, str(exc), "not_loaded")
                 return
             except (RequestRejected, TemplateError) as exc:
-                await self._refuse(rid, 400, str(exc))
+                await self._refuse(rid, 400, str(exc), code=getattr(exc, "code", None))
                 return
             except StopAsyncIteration:
                 event = None

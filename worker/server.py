@@ -55,9 +55,11 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+def _error(
+    status: int, message: str, kind: str = "invalid_request_error", code: str | None = None
+) -> JSONResponse:
     return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": None, "code": None}}, status
+        {"error": {"message": message, "type": kind, "param": None, "code": code}}, status
     )
 
 
@@ -196,7 +198,7 @@ def build_worker_app(
         except NotLoaded as exc:
             return _error(409, str(exc), "not_loaded")
         except (RequestRejected, TemplateError) as exc:
-            return _error(400, str(exc))
+            return _error(400, str(exc), code=getattr(exc, "code", None))
         return ChunkStream(_ndjson(first, events, metrics), "application/x-ndjson")
 
     async def prom(_: Request) -> Response:

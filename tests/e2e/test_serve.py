@@ -115,6 +115,15 @@ def test_client_that_disconnects_is_billed_for_what_it_got(server: Server) -> No
 def test_bad_requests_get_openai_errors_and_no_worker_time(server: Server) -> None:
     r = _chat(server, "hi", max_tokens=100_000)
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    # OpenAI's code and param, which clients (and the openai SDK's users) branch on
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "messages"
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": "smollm2", "prompt": "word " * 9000, "max_tokens": 1},
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "prompt"
     r = httpx.post(
         server.url + CHAT, json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}
     )

@@ -164,6 +164,43 @@ def test_invalid_and_empty_json_bodies_are_400(client: TestClient, path: str) ->
     err = error_of(client.post(path, content=b"\xff\xfe"), 400)
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", '{"model": "\\ud800", "messages": []}', "model"),
+        ("/v1/chat/completions", '{"model": "m", "\\udfff": 1}', None),
+        ("/v1/chat/completions",
+         '{"model": "m", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
+         "messages[0].content"),
+        ("/v1/chat/completions",
+         '{"model": "m", "messages": [{"role": "user", "content": "x", "\\udc00": 1}]}',
+         "messages[0]"),
+        ("/v1/chat/completions", '{"model": "m", "messages": [], "user": "\\uDBFF"}', "user"),
+        ("/v1/completions", '{"model": "m", "prompt": ["ok", "\\ude00\\ud83d"]}', "prompt[1]"),
+        ("/v1/deployments/tiny/invoke", '{"prompt": "x", "params": {"\\ud800": 1}}', "params"),
+        ("/v1/deployments", '{"name": "x", "snapshot_uri": "s3://bucket/p\\ud800"}',
+         "snapshot_uri"),
+        ("/v1/deployments", '{"name": "x", "snapshot_uri": "file:///tmp/\\ud800"}',
+         "snapshot_uri"),
+        ("/v1/keys", '{"tenant": "t", "name": "\\ud800"}', "name"),
+    ],
+)  # fmt: skip
+def test_an_unpaired_surrogate_escape_anywhere_is_a_400_naming_where(
+    client: TestClient, path: str, body: str, param: str | None
+) -> None:
+    # Python's json module decodes "\ud800" alone to a string no encoder takes: echoed in an
+    # error message, stored or tokenized, it was a 500 (or a 502 from the worker).
+    err = error_of(client.post(path, content=body.encode()), 400)
+    assert err["param"] == param
+    assert "unpaired UTF-16 surrogate" in err["message"]
+    # A pair is one character (U+1F600 here), and fine: these get past that check.
+    paired = body.replace("\\ud800", "\\ud83d\\ude00").replace("\\udfff", "\\ud83d\\ude00")
+    paired = paired.replace("\\udc00", "\\ud83d\\ude00").replace("\\uDBFF", "\\ud83d\\ude00")
+    paired = paired.replace('"\\ude00\\ud83d"', '"\\ud83d\\ude00"')
+    r = client.post(path, content=paired.encode())
+    assert r.status_code < 500 and "surrogate" not in r.text
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/deployments", "/v1/keys"])
 def test_a_body_over_the_limit_is_413(client: TestClient, path: str) -> None:
     err = error_of(client.post(path, content=b"{" + b" " * (8 * 1024 * 1024)), 413)
@@ -439,6 +476,25 @@ def test_bad_patch_is_400_and_changes_nothing(
     err = error_of(client.patch("/v1/deployments/tiny", json=body), 400)
     assert err["param"] == param
     assert client.get("/v1/deployments/tiny").json() == before
+
+
+@pytest.mark.parametrize(
+    "uri",
+    ["s3://", "s3:///x", "s3://b/p", "s3://Bucket/p", "s3://-bucket/p", "s3://bucket/p?x=1",
+     "s3://bucket/p#frag", "s3://bucket/p\nq", "s3://bu cket/p"],
+)  # fmt: skip
+def test_an_s3_uri_no_worker_could_fetch_is_400_on_create_and_patch(
+    client: TestClient, snapshot: Path, uri: str
+) -> None:
+    err = error_of(client.post("/v1/deployments", json={"name": "s3", "snapshot_uri": uri}), 400)
+    assert err["param"] == "snapshot_uri" and "bucket" in err["message"]
+    error_of(client.get("/v1/deployments/s3"), 404)  # nothing was stored
+    assert deploy(client, snapshot).status_code == 201
+    err = error_of(client.patch("/v1/deployments/tiny", json={"snapshot_uri": uri}), 400)
+    assert err["param"] == "snapshot_uri"
+    r = client.post("/v1/deployments", json={"name": "ok", "snapshot_uri": "s3://models.v2/a b/"})
+    assert r.status_code == 201, r.text
+    assert r.json()["snapshot_uri"] == "s3://models.v2/a b"
 
 
 def test_delete_removes_the_deployment_and_keeps_its_usage(

@@ -69,9 +69,19 @@ def test_full_chat_body_is_carried_through() -> None:
     assert call.user == "alice"
 
 
-def test_max_completion_tokens_wins_over_max_tokens() -> None:
-    call = parse_chat({**CHAT, "max_tokens": 100, "max_completion_tokens": 5})
-    assert call.params.max_tokens == 5
+def test_max_completion_tokens_and_max_tokens_are_one_limit() -> None:
+    assert parse_chat({**CHAT, "max_completion_tokens": 5}).params.max_tokens == 5
+    assert parse_chat({**CHAT, "max_tokens": 6}).params.max_tokens == 6
+    both = parse_chat({**CHAT, "max_tokens": 5, "max_completion_tokens": 5})
+    assert both.params.max_tokens == 5
+    assert (
+        parse_chat({**CHAT, "max_tokens": None, "max_completion_tokens": 5}).params.max_tokens == 5
+    )
+    # two different limits: which was meant? A bad one beside a good one: still bad.
+    for other in (100, "junk", 0, True):
+        with pytest.raises(APIError) as err:
+            parse_chat({**CHAT, "max_tokens": other, "max_completion_tokens": 5})
+        assert err.value.status == 400 and err.value.param == "max_tokens"
 
 
 def test_stop_string_and_single_prompt_list_are_accepted() -> None:

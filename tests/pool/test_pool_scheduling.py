@@ -358,6 +358,71 @@ def test_a_new_generation_rolls_over_without_a_gap() -> None:
     run(scenario)
 
 
+def test_a_roll_over_on_a_full_pool_drains_the_old_version_to_make_room() -> None:
+    async def scenario() -> None:
+        pool, _, events = _pool(max_workers=1, preempt_after_s=3600)
+        v1 = _spec("d", max_replicas=1, idle_timeout_s=60)
+        specs = {"d": v1}
+        scaler = _scaler(pool, specs, {"d": 1}, window=60)
+        old = await _ready(pool.scale_up(v1))
+        old.inflight = 1  # a stream in flight on the old version, on the only worker
+        specs["d"] = replace(v1, snapshot_uri="file:///s/d-v2", generation=2)
+        await scaler.tick()
+        await _settle(pool)
+        new = next(r for r in pool.replicas("d") if r is not old)
+        # No worker is free for both: the old version drains (its stream finishes, new
+        # requests queue for the new one) instead of holding the worker for ever.
+        assert old.state is ReplicaState.DRAINING and new.state is ReplicaState.QUEUED
+        old.inflight = 0
+        await _ready(new)
+        assert pool.replicas("d") == [new]
+        assert any(e.reason == "rolled over to version 2" for e in events)
+        # The queue did not stall behind it: another deployment still gets the worker.
+        other = pool.scale_up(_spec("e"))
+        await _ready(other)
+        assert new.id not in {r.id for r in pool.replicas()}
+        await pool.shutdown()
+
+    run(scenario)
+
+
+def test_a_roll_over_on_a_full_pool_replaces_old_replicas_one_at_a_time() -> None:
+    async def scenario() -> None:
+        pool, _, _ = _pool(max_workers=2, preempt_after_s=3600)
+        v1 = _spec("d", min_replicas=2, max_replicas=2, idle_timeout_s=60)
+        specs = {"d": v1}
+        scaler = _scaler(pool, specs, {}, window=60)
+        await scaler.tick()
+        olds = [await _ready(r) for r in pool.replicas("d")]
+        assert len(olds) == 2
+        gate = asyncio.Event()  # holds the new version's first load
+        real_load = pool.launcher.load
+
+        async def slow_load(worker: WorkerInfo, spec: DeploymentSpec) -> LoadResult:
+            await gate.wait()
+            return await real_load(worker, spec)
+
+        pool.launcher.load = slow_load  # type: ignore[method-assign]
+        specs["d"] = replace(v1, snapshot_uri="file:///s/d-v2", generation=2)
+        await scaler.tick()
+        await _settle(pool)
+        states = Counter((r.generation, r.state) for r in pool.replicas("d"))
+        # one old replica gave its worker to the first new one; the other serves on
+        assert states == {(1, ReplicaState.READY): 1, (2, ReplicaState.LOADING): 1,
+                          (2, ReplicaState.QUEUED): 1}  # fmt: skip
+        gate.set()
+        for _ in range(100):
+            await scaler.tick()
+            await _settle(pool)
+            if {(r.generation, r.state) for r in pool.replicas("d")} == {(2, ReplicaState.READY)}:
+                break
+        assert [r.generation for r in pool.replicas("d")] == [2, 2]
+        assert all(r.state is ReplicaState.READY for r in pool.replicas("d"))
+        await pool.shutdown()
+
+    run(scenario)
+
+
 def test_a_canary_scales_on_its_own_load_and_to_zero_while_stable_keeps_its_floor() -> None:
     async def scenario() -> None:
         pool, _, events = _pool(max_workers=4)

@@ -98,6 +98,7 @@ def test_bad_requests_are_400s_before_any_token(worker: TestClient) -> None:
     too_long = {"request_id": "g2", "prompt": "hi", "params": {"max_tokens": 100_000}}
     r = worker.post("/generate", json=too_long, headers=AUTH)
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "context_length_exceeded"
     bad = {"request_id": "g3", "prompt": "hi", "params": {"top_p": 0}}
     r = worker.post("/generate", json=bad, headers=AUTH)
     assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]

@@ -13,9 +13,16 @@ from dataclasses import dataclass
 
 from hotpool.worker.protocol import FinishReason, SamplingParams
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a request too long
+
 
 class RequestRejected(ValueError):
-    """The request can never run on this engine (e.g. longer than the model's context)."""
+    """The request can never run on this engine (e.g. longer than the model's context).
+    ``code`` is the OpenAI-style error code a client sees, if there is one."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)

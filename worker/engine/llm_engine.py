@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from hotpool.worker.engine.base import Engine, EngineRequest, RequestOutput, RequestRejected
+from hotpool.worker.engine.base import (
+    CONTEXT_LENGTH_EXCEEDED,
+    Engine,
+    EngineRequest,
+    RequestOutput,
+    RequestRejected,
+)
 from hotpool.worker.engine.kv_cache_manager import KVCacheManager
 from hotpool.worker.engine.model_runner import ModelRunner
 from hotpool.worker.engine.request import Request
@@ -105,7 +111,8 @@ class LLMEngine(Engine):
         if n + (want or 1) > self.max_model_len:
             raise RequestRejected(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                f"has {n} prompt tokens and asks for {want or 1} more"
+                f"has {n} prompt tokens and asks for {want or 1} more",
+                CONTEXT_LENGTH_EXCEEDED,
             )
         max_new = want or self.max_model_len - n
         # A sequence must fit the whole KV budget by itself, or it would preempt itself forever.
@@ -113,7 +120,8 @@ class LLMEngine(Engine):
         if n + max_new > capacity:
             raise RequestRejected(
                 f"the request needs up to {n + max_new} tokens of KV cache; this replica holds "
-                f"{capacity} (lower max_tokens)"
+                f"{capacity} (lower max_tokens)",
+                CONTEXT_LENGTH_EXCEEDED,
             )
         if request.request_id in self.scheduler.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already running")
