@@ -8,10 +8,12 @@ reports ASGI 2.3, so Starlette cannot rely on a failing ``send`` instead) and, b
 last message is an empty one sent after the iterator is exhausted, the end of the stream
 waits for whatever cleanup the iterator does after its last chunk.
 
-:class:`ChunkStream` streams in the handler's own task. One small task waits for the
-client's ``http.disconnect`` and cancels the stream if it comes first; that cancellation is
-this response's own (uncancelled and swallowed here), so the iterator is closed exactly as
-Starlette would close it and nothing is logged as an error. A chunk wrapped in
+:class:`ChunkStream` streams in the handler's own task. One small task (a
+:class:`DisconnectWatch`) waits for the client's ``http.disconnect`` and cancels the stream
+if it comes first; that cancellation is this response's own (uncancelled and swallowed
+here), so the iterator is closed exactly as Starlette would close it and nothing is logged
+as an error. A handler can start the watch earlier, before the response exists (a request
+waiting in a queue, a non-streamed generation), and hand it to the stream. A chunk wrapped in
 :class:`Last` goes out with ``more_body: False`` in the same ``send`` (one write for the
 final data and the chunked terminator), and the iterator's remainder then runs with the
 client already served: a relay drains its upstream there, a meter writes its record.
@@ -22,7 +24,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client gave up on
 
 
 class Last(bytes):
@@ -45,9 +50,11 @@ class ChunkStream:
         media_type: str,
         headers: Mapping[str, str] | None = None,
         status_code: int = 200,
+        watch: DisconnectWatch | None = None,
     ) -> None:
         self.chunks = chunks
         self.status_code = status_code
+        self.watch = watch  # the handler's, if it started one; else one is started here
         self.raw_headers = [(b"content-type", media_type.encode("latin-1"))]
         if headers:
             self.raw_headers += [
@@ -55,11 +62,7 @@ class ChunkStream:
             ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        state = _State()
-        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-        watcher.add_done_callback(lambda w: state.client_gone(w, task))
+        state = self.watch or DisconnectWatch(receive)
         try:
             await send(
                 {
@@ -70,14 +73,13 @@ class ChunkStream:
             )
             await self._stream(send, state)
         except asyncio.CancelledError:
-            if not state.cancelled:
+            if not state.absorb():
                 raise  # not ours (the server is stopping): let it through
-            task.uncancel()  # ours: the client went away, and the stream has been closed
+            # ours: the client went away, and the stream has been closed
         finally:
-            state.streaming = False
-            watcher.cancel()
+            state.stop()
 
-    async def _stream(self, send: Send, state: _State) -> None:
+    async def _stream(self, send: Send, state: DisconnectWatch) -> None:
         chunks = self.chunks
         ended = False
         try:
@@ -88,7 +90,7 @@ class ChunkStream:
                 await send({"type": "http.response.body", "body": chunk, "more_body": not last})
                 if last:
                     ended = True
-                    state.streaming = False  # the end is out: a disconnect now is no news
+                    state.armed = False  # the end is out: a disconnect now is no news
                     # One pass of the loop, so that the corked write of the end leaves now:
                     # the rest of the iterator is its cleanup (the request's accounting, a
                     # log line), which the client should not wait for.
@@ -101,18 +103,48 @@ class ChunkStream:
                 await aclose()
 
 
-class _State:
-    __slots__ = ("cancelled", "streaming")
+class DisconnectWatch:
+    """Cancels the task that starts it (a request's handler) when the client disconnects,
+    while ``armed``. After a ``CancelledError``, :meth:`absorb` tells whether the watch
+    caused it (and then uncancels the task): the client went away, nobody reads the answer.
+    Start it once the request body has been read (``receive`` then yields only the
+    disconnect); :meth:`stop` it when the response is out."""
 
-    def __init__(self) -> None:
-        self.streaming = True  # a disconnect now should stop the stream
-        self.cancelled = False  # this response cancelled its own task
+    __slots__ = ("_task", "_watcher", "armed", "fired")
 
-    def client_gone(self, watcher: asyncio.Future[None], task: asyncio.Task[object]) -> None:
-        if watcher.cancelled() or watcher.exception() is not None or not self.streaming:
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self.armed = True  # a disconnect now should stop the task
+        self.fired = False  # this watch cancelled the task
+        self._watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        self._watcher.add_done_callback(self._gone)
+
+    def _gone(self, watcher: asyncio.Future[None]) -> None:
+        if watcher.cancelled() or watcher.exception() is not None or not self.armed:
             return
-        self.cancelled = True
-        task.cancel()
+        self.fired = True
+        self._task.cancel()
+
+    def absorb(self) -> bool:
+        """Call on ``CancelledError``: True (and the task uncancelled) if it was this
+        watch's; False if it came from elsewhere (the server stopping) and must go on."""
+        if not self.fired:
+            return False
+        self.fired = False
+        self._task.uncancel()
+        return True
+
+    def stop(self) -> None:
+        self.armed = False
+        self._watcher.cancel()
+
+
+def client_gone() -> Response:
+    """The answer to a request whose client went away (a :class:`DisconnectWatch` fired):
+    nobody reads it, but the access log and the metrics show it as 499."""
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -14,6 +14,7 @@ The answer holds each choice's text and token ids; streamed, it is newline-delim
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -31,7 +32,7 @@ from hotpool.platform.logprobs import native_logprobs
 from hotpool.platform.openai_routes import usage_json
 from hotpool.platform.schemas import Body, CompletionCall, parse_messages, sampling_params
 from hotpool.platform.services import Services, read_json
-from hotpool.streaming import ChunkStream, Last
+from hotpool.streaming import ChunkStream, DisconnectWatch, Last, client_gone
 from hotpool.worker.protocol import GenerateEvent, Usage
 
 INVOKE_FIELDS = {"prompt", "messages", "params", "stream"}
@@ -79,14 +80,25 @@ async def invoke(request: Request) -> Response:
     target = services.router.choose(spec, services.catalog.canary_of(spec), call.user)
     served = Served()
     events = services.invoker.generate(target, call, request_id, caller(request, principal), served)
-    first = await anext(events)  # queueing, cold start and validation errors surface here
-    headers = version_header(served)
-    want_logprobs = call.params.logprobs is not None
-    if call.stream:
-        return ChunkStream(
-            _ndjson(call.params.n, want_logprobs, first, events), "application/x-ndjson", headers
-        )
-    collected = await collect_choices(call.params.n, first, events)
+    watch = DisconnectWatch(request.receive)  # as for the OpenAI routes: a client gone ends it
+    streaming = False
+    try:
+        first = await anext(events)  # queueing, cold start and validation errors surface here
+        headers = version_header(served)
+        want_logprobs = call.params.logprobs is not None
+        if call.stream:
+            streaming = True  # the stream's response keeps the watch
+            lines = _ndjson(call.params.n, want_logprobs, first, events)
+            return ChunkStream(lines, "application/x-ndjson", headers, watch=watch)
+        collected = await collect_choices(call.params.n, first, events)
+    except asyncio.CancelledError:
+        if not watch.absorb():
+            raise
+        await events.aclose()
+        return client_gone()
+    finally:
+        if not streaming:
+            watch.stop()
     outputs = []
     for i, c in enumerate(collected.choices):
         out: dict[str, Any] = {

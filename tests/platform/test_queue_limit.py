@@ -1,6 +1,6 @@
 """A deployment's queue limit (``max_queue``): requests past it are 429s at once, with
 ``Retry-After``, while the ones already waiting for a replica keep their place (here until
-their own wait runs out, as no worker ever registers)."""
+their own wait runs out, as no worker ever registers), unless their client goes away."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import httpx
 import pytest
 from snapshot_folders import snapshot_folder
 from starlette.testclient import TestClient
+from uvicorn_thread import uvicorn_in_thread
 
 from hotpool.billing.db import Database
 from hotpool.platform.app import build_services, create_app
@@ -87,3 +88,41 @@ def test_a_request_past_the_queue_limit_is_a_429_with_retry_after(
     assert {r.json()["error"]["code"] for r in waited} == {"queue_timeout"}
     assert services.router.queued("tiny") == 0
     assert client.post("/v1/completions", json=body).status_code == 503  # room again: it waits
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [("/v1/completions", {}), ("/v1/completions", {"stream": True}),
+     ("/v1/deployments/tiny/invoke", {})],
+)  # fmt: skip
+def test_a_client_that_gives_up_while_queued_leaves_the_queue_and_is_not_billed(
+    tmp_path: Path, path: str, extra: dict[str, object]
+) -> None:
+    settings = load_settings({"HOTPOOL_HOME": str(tmp_path), "HOTPOOL_WARM_WORKERS": "0"})
+    db = Database(settings.database_url)
+    db.upgrade()
+    services = build_services(settings, db, NeverRegisters(), TOKEN)
+    # A real server: a client's closed connection reaches the app as http.disconnect.
+    with uvicorn_in_thread(create_app(services), lifespan="on") as url:
+        uri = f"file://{snapshot_folder(tmp_path / 'snap')}"
+        spec = {"name": "tiny", "snapshot_uri": uri, "max_queue": 1, "queue_timeout_s": 60}
+        assert httpx.post(url + "/v1/deployments", json=spec).status_code == 201
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, **extra}
+        if path.endswith("/invoke"):
+            body = {"prompt": "hi", "params": {"max_tokens": 2}}
+        for attempt in range(2):  # the second finds the place the first gave up
+            with pytest.raises(httpx.ReadTimeout):  # queued (a 429 would be an answer)
+                httpx.post(url + path, json=body, timeout=httpx.Timeout(5, read=0.5))
+            deadline = time.monotonic() + 5
+            while services.router.queued("tiny"):
+                assert time.monotonic() < deadline, f"request {attempt} still holds the queue"
+                time.sleep(0.02)
+        deadline = time.monotonic() + 5
+        while len(rows := services.ledger.events("tiny")) < 2:
+            assert time.monotonic() < deadline, "the abandoned requests were never accounted"
+            time.sleep(0.05)
+    db.dispose()
+    assert [(r.status, r.prompt_tokens, r.completion_tokens) for r in rows] == [
+        ("cancelled", 0, 0),
+        ("cancelled", 0, 0),
+    ]
