@@ -14,6 +14,7 @@ micro-units (``cost_micros``), or null when none of its requests had a price in 
 from __future__ import annotations
 
 import asyncio
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -40,14 +41,18 @@ GROUPS = {"model": "deployment", "deployment": "deployment", "api_key": "api_key
 MAX_TIMESTAMP = 253370764800
 
 
+_INTEGER = re.compile(r"-?[0-9]{1,19}")
+EPOCH = datetime.fromtimestamp(0, UTC)
+
+
 def _int_param(request: Request, name: str) -> int | None:
     raw = request.query_params.get(name)
     if raw is None:
         return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise invalid(f"`{name}` must be an integer", name) from None
+    # ASCII digits only: int() also takes "1_000", " 7 " and other scripts' digits
+    if not _INTEGER.fullmatch(raw):
+        raise invalid(f"`{name}` must be an integer", name)
+    return int(raw)
 
 
 def _list_param(request: Request, name: str) -> list[str]:
@@ -113,8 +118,8 @@ async def get_usage(request: Request) -> Response:
     end = time_param(request, "end_time") or datetime.now(UTC)
     # `page` is the cursor a previous answer gave as `next_page`: the next bucket's start.
     start = time_param(request, "page") or time_param(request, "start_time")
-    if start is None:
-        start = floor_to_bucket(end, width) - (limit - 1) * step
+    if start is None:  # the last `limit` buckets before `end`, none before 1970
+        start = max(floor_to_bucket(end, width) - (limit - 1) * step, EPOCH)
     if start >= end:
         raise invalid("`start_time` must be before `end_time`", "start_time")
     # Only this page's buckets are built and queried: a range of years in 1m buckets must

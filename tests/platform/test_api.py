@@ -585,11 +585,21 @@ def test_usage_default_limit_per_width(
         ({"start_time": "1709337600", "end_time": "1709251200"}, "start_time"),
         ({"end_time": "99999999999999"}, "end_time"),
         ({"start_time": "-99999999999999"}, "start_time"),
+        ({"limit": "\u0661"}, "limit"),  # an Arabic-Indic 1: a digit to int(), not to us
+        ({"start_time": "1_700_000_000"}, "start_time"),
+        ({"end_time": " 1709251200"}, "end_time"),
+        ({"end_time": "0"}, "start_time"),  # no bucket starts before 1970
     ],
 )
 def test_bad_usage_query_is_400(client: TestClient, params: dict[str, str], param: str) -> None:
     err = error_of(client.get("/v1/usage", params=params), 400)
     assert err["param"] == param
+
+
+def test_default_usage_buckets_never_start_before_1970(client: TestClient) -> None:
+    r = client.get("/v1/usage", params={"end_time": str(2 * 86400 + 5)})
+    assert r.status_code == 200, r.text
+    assert [b["start_time"] for b in r.json()["data"]] == [0, 86400, 2 * 86400]
 
 
 def test_usage_sums_records_into_their_buckets(client: TestClient, services: Services) -> None:
