@@ -241,7 +241,10 @@ async def delete_deployment(request: Request) -> Response:
         raise APIError(
             404, f"deployment {spec.name!r} does not exist", code="deployment_not_found"
         ) from None
-    services.autoscaler.wake()  # drain its replicas now
+    # Its replicas stop taking requests now (a new deployment may take the name at once:
+    # they must never serve it) and drain.
+    services.pool.retire(spec.name)
+    services.autoscaler.wake()
     return JSONResponse({"id": spec.name, "object": "deployment", "deleted": True})
 
 

@@ -149,6 +149,11 @@ class Router:
                         503, f"no replica of {spec.name!r} became ready within {wait}",
                         code="queue_timeout", retry_after_s=10,
                     ) from None  # fmt: skip
+                if replica.retired:  # deleted while this request waited: nothing to retry
+                    # (and never a replica of a new deployment that took the name since)
+                    raise APIError(
+                        404, f"deployment {spec.name!r} was deleted", code="deployment_not_found"
+                    )
                 picked = self._pick(target, avoid)
                 if picked is not None:
                     return picked, True

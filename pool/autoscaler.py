@@ -75,9 +75,7 @@ class Autoscaler:
             if spec is None:
                 for key in [k for k in self._history if k[0] == name]:
                     del self._history[key]
-                for r in self.pool.replicas(name):
-                    if r.inflight == 0:
-                        self.pool.release_soon(r, "deployment deleted")
+                self.pool.retire(name)  # the API does this at once; any other delete, here
                 continue
             self._reconcile(spec, now)
 

@@ -95,7 +95,13 @@ class WorkerPool:
         return self.launcher.client
 
     def replicas(self, deployment: str | None = None) -> list[Replica]:
-        return [r for r in self._replicas.values() if deployment in (None, r.deployment)]
+        """The replicas of ``deployment`` (None: of every deployment) as it exists now:
+        never those of a deleted one of the same name, which drain out of sight."""
+        return [
+            r
+            for r in self._replicas.values()
+            if deployment in (None, r.deployment) and not r.retired
+        ]
 
     def idle_workers(self) -> list[IdleWorker]:
         return self.warm.idle.all()
@@ -105,7 +111,7 @@ class WorkerPool:
         counts = {s: 0 for s in ("starting", "idle", "loading", "serving", "draining")}
         counts["idle"] = len(self.warm.idle)
         counts["starting"] = len(self.warm) - len(self.warm.idle) + self._unloading
-        for r in self.replicas():
+        for r in self._replicas.values():  # retired ones are processes too
             if r.state is ReplicaState.COLD:
                 counts["starting"] += 1
             elif r.state is ReplicaState.LOADING:
@@ -173,9 +179,29 @@ class WorkerPool:
         held = sum(1 for r in self._replicas.values() if r.holds_worker)
         return held + len(self.warm) + self._unloading
 
+    def retire(self, deployment: str, reason: str = "deployment deleted") -> None:
+        """``deployment`` was deleted: from now on none of its replicas takes a request or
+        shows under its name, which a new deployment (another tenant's too) may take at
+        once. Replicas waiting for a worker are withdrawn, cold starts stopped (requests
+        waiting on them learn why), the others drain (their requests finish) and go."""
+        self._specs.pop(deployment, None)
+        self._canaries.pop(deployment, None)
+        for r in self.replicas(deployment):
+            r.retired = True
+            if self.cancel(r, reason):
+                continue
+            task = self._cold_starts.get(r.id)
+            if task is not None and not task.done():
+                r.error = r.error or reason
+                task.cancel()  # it removes the replica, stops its worker and wakes waiters
+            else:
+                self.release_soon(r, reason)
+
     def release_soon(self, replica: Replica, reason: str) -> None:
-        """:meth:`release` in the background (the autoscaler must not wait for a drain)."""
-        self._spawn(self.release(replica, reason))
+        """:meth:`release` in the background (the autoscaler must not wait for a drain); the
+        replica is draining (takes no new request) when this returns."""
+        if self._begin_release(replica, reason):
+            self._spawn(self._drain(replica, reason, grace_s=30.0))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(coro)
@@ -186,11 +212,20 @@ class WorkerPool:
     async def release(self, replica: Replica, reason: str, grace_s: float = 30.0) -> None:
         """Drain ``replica`` (in-flight requests finish), then unload it and keep its worker
         idle (its model stays in the worker's host tier), or stop the worker."""
+        if self._begin_release(replica, reason):
+            await self._drain(replica, reason, grace_s)
+
+    def _begin_release(self, replica: Replica, reason: str) -> bool:
+        """Withdraw ``replica`` if it waits for a worker, else mark it draining; False when
+        there is nothing (more) to drain."""
         if replica.id not in self._replicas or replica.state is ReplicaState.DRAINING:
-            return
+            return False
         if self.cancel(replica, reason):
-            return
+            return False
         replica.state = ReplicaState.DRAINING
+        return True
+
+    async def _drain(self, replica: Replica, reason: str, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s
         while replica.inflight > 0 and time.monotonic() < deadline:  # noqa: ASYNC110 (a counter)
             await asyncio.sleep(0.05)
@@ -202,7 +237,7 @@ class WorkerPool:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(
-            self.warm.close(), *(self._remove(r, "shutdown") for r in self.replicas())
+            self.warm.close(), *(self._remove(r, "shutdown") for r in list(self._replicas.values()))
         )
         await self.launcher.close()
 
@@ -213,7 +248,7 @@ class WorkerPool:
         ``heartbeat_timeout_s``): removed, their process stopped, and a replacement started
         unless they were draining anyway. Dead idle workers are dropped and replaced."""
         self.warm.reap(self.backend.exit_reason)
-        dead = [r for r in self.replicas() if self._death(r)]
+        dead = [r for r in self._replicas.values() if self._death(r)]
         for r in dead:
             self._lost(r)
         self._grant()
@@ -478,5 +513,8 @@ class WorkerPool:
         self._scaled_down(replica, reason)
 
     def _scaled_down(self, replica: Replica, reason: str) -> None:
+        if replica.retired:  # its deployment is gone: a new one's history is not its own
+            log.info("replica %s of deleted %s removed", replica.id, replica.deployment)
+            return
         after = len(self.replicas(replica.deployment))
         self.on_scale(ScaleEvent(replica.deployment, after + 1, after, reason, replica.id))

@@ -36,6 +36,9 @@ class Replica:
     error: str | None = None  # why the cold start failed, once it has
     replacement: bool = False  # stands in for a replica whose worker died
     generation: int = 1  # the deployment's generation it runs (a PATCH may start a new one)
+    # Its deployment was deleted: it only finishes its requests, and no longer counts as the
+    # name's (a new deployment may take the name at once, another tenant's too).
+    retired: bool = False
 
     @property
     def starting(self) -> bool:

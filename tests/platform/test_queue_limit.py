@@ -126,3 +126,33 @@ def test_a_client_that_gives_up_while_queued_leaves_the_queue_and_is_not_billed(
         ("cancelled", 0, 0),
         ("cancelled", 0, 0),
     ]
+
+
+def test_a_request_waiting_when_its_deployment_is_deleted_gets_a_404_at_once(
+    app: tuple[TestClient, Services], tmp_path: Path
+) -> None:
+    client, services = app
+    uri = f"file://{snapshot_folder(tmp_path / 'snap')}"
+    spec = {"name": "tiny", "snapshot_uri": uri, "queue_timeout_s": 60}
+    assert client.post("/v1/deployments", json=spec).status_code == 201
+    waited: list[httpx.Response] = []
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    thread = threading.Thread(
+        target=lambda: waited.append(client.post("/v1/completions", json=body))
+    )
+    thread.start()
+    deadline = time.monotonic() + 5
+    while services.router.queued("tiny") < 1:
+        assert time.monotonic() < deadline, "the request never queued"
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    assert client.delete("/v1/deployments/tiny").status_code == 200
+    thread.join(10)
+    assert time.monotonic() - t0 < 5  # not after its 60 s wait
+    # Not a 503 "cold start failed", which the openai client would retry: the model is gone.
+    [r] = waited
+    assert r.status_code == 404 and r.json()["error"]["code"] == "deployment_not_found"
+    assert "deleted" in r.json()["error"]["message"]
+    # The name is free at once, and its new deployment starts from nothing of the old one.
+    assert client.post("/v1/deployments", json=spec).status_code == 201
+    assert client.get("/v1/deployments/tiny").json()["replicas"] == []

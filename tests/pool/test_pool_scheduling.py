@@ -358,6 +358,42 @@ def test_a_new_generation_rolls_over_without_a_gap() -> None:
     run(scenario)
 
 
+def test_a_deleted_deployments_replicas_never_serve_a_new_one_of_the_same_name() -> None:
+    async def scenario() -> None:
+        pool, backend, events = _pool(max_workers=3)
+        specs = {"d": _spec("d", tenant_id=1)}
+        scaler = _scaler(pool, specs, {}, window=60)
+        busy = await _ready(pool.scale_up(specs["d"]))
+        busy.inflight = 1  # a stream of the old deployment still runs
+        starting = pool.scale_up(specs["d"])  # and a cold start is under way
+        del specs["d"]
+        pool.retire("d")
+        assert pool.replicas("d") == [] and pool.replicas() == []
+        assert busy.state is ReplicaState.DRAINING  # its stream finishes; nothing new
+        await asyncio.wait_for(starting.ready.wait(), 5)
+        assert starting.error == "deployment deleted"
+        # Another tenant takes the name at once: its replicas are its own, from scratch.
+        specs["d"] = _spec("d", tenant_id=2, max_model_len=600)
+        await scaler.tick()
+        assert pool.replicas("d") == []  # no demand yet: nothing borrowed either
+        mine = await _ready(pool.scale_up(specs["d"]))
+        assert pool.replicas("d") == [mine] and mine is not busy
+        assert pool.workers_by_state()["draining"] == 1  # the old one is still a process
+        busy.inflight = 0
+        for _ in range(50):
+            await _settle(pool)
+            if busy.handle.worker_id not in backend.running:
+                break
+        assert busy.handle.worker_id not in backend.running
+        assert pool.replicas("d") == [mine]
+        # the new deployment's history has no event of the old one's replicas
+        assert not any(e.replica_id in (busy.id, starting.id) and e.to_replicas < e.from_replicas
+                       and e.reason == "deployment deleted" for e in events)  # fmt: skip
+        await pool.shutdown()
+
+    run(scenario)
+
+
 def test_a_roll_over_on_a_full_pool_drains_the_old_version_to_make_room() -> None:
     async def scenario() -> None:
         pool, _, events = _pool(max_workers=1, preempt_after_s=3600)
