@@ -75,6 +75,13 @@ class Router:
         self.waiting: Counter[str] = Counter()
         self.waiting_for: Counter[tuple[str, int]] = Counter()  # by (deployment, version)
         self.rng = random.Random()
+        self._stopping = asyncio.Event()
+
+    def begin_shutdown(self) -> None:
+        """The server is stopping: requests waiting for a replica get a 503 at once (no
+        cold start can finish: a new worker cannot register once the listener is closed),
+        and so does any request that would have to wait."""
+        self._stopping.set()
 
     def queued(self, deployment: str) -> int:
         return self.waiting[deployment]
@@ -117,6 +124,8 @@ class Router:
         ready = self._pick(target, avoid)
         if ready is not None:
             return ready, False
+        if self._stopping.is_set():
+            raise _shutting_down()
         max_queue = spec.max_queue or self.max_queue
         timeout_s = spec.queue_timeout_s or self.queue_timeout_s
         if self.waiting[spec.name] >= max_queue:
@@ -142,7 +151,7 @@ class Router:
                     replica = self.pool.scale_up(spec, reason="request", canary=target.strict)
                 remaining = timeout_s - (time.monotonic() - t0)
                 try:
-                    await asyncio.wait_for(replica.ready.wait(), max(remaining, 0.0))
+                    await self._wait_ready(replica, max(remaining, 0.0))
                 except TimeoutError:
                     wait = f"{timeout_s:g}s"
                     raise APIError(
@@ -164,6 +173,24 @@ class Router:
             self.waiting[spec.name] -= 1
             self.waiting_for[(spec.name, spec.generation)] -= 1
 
+    async def _wait_ready(self, replica: Replica, timeout_s: float) -> None:
+        """Until ``replica`` is ready (or failed); TimeoutError after ``timeout_s``; a 503
+        if the server begins to stop meanwhile."""
+        ready = asyncio.ensure_future(replica.ready.wait())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait(
+                (ready, stopping), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            ready.cancel()
+            stopping.cancel()
+        if replica.ready.is_set():
+            return
+        if self._stopping.is_set():
+            raise _shutting_down()
+        raise TimeoutError
+
     def _pick(self, target: Target, avoid: Replica | None) -> Replica | None:
         spec = target.spec
         ready = [
@@ -182,3 +209,9 @@ class Router:
         if best.inflight > spec.target_concurrency:
             self.on_demand()
         return best
+
+
+def _shutting_down() -> APIError:
+    return APIError(
+        503, "the server is shutting down; retry shortly", code="shutting_down", retry_after_s=5
+    )

@@ -7,6 +7,7 @@ import os
 import secrets
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 import uvicorn
@@ -135,7 +136,8 @@ def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> Non
         backend: WorkerBackend = ray_backend(settings, host, port, token)
     else:
         settings, backend = local_backend(settings, host, port, token)
-    app = create_app(build_services(settings, db, backend, token))
+    services = build_services(settings, db, backend, token)
+    app = create_app(services)
     banner = (
         f"hotpool is serving on http://{host}:{port} (data in {settings.home});"
         f" dashboard: http://{host}:{port}/dashboard"
@@ -160,4 +162,19 @@ def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> Non
         access_log=False,  # hotpool.access logs each request once it is over (middleware)
         http=CorkedHttpToolsProtocol,  # a stream's headers and first token in one write
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    ControlPlaneServer(config, services.begin_shutdown).run(sockets=[sock])
+
+
+class ControlPlaneServer(uvicorn.Server):
+    """uvicorn's server, which tells the control plane when a graceful stop begins: uvicorn
+    closes every listener then, the one workers send heartbeats to included, and drains
+    the running requests for up to ``timeout_graceful_shutdown`` seconds. Without a word,
+    the pool took the missing heartbeats for dead workers and cut their streams."""
+
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_stop = on_stop
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._on_stop()
+        await super().shutdown(sockets)

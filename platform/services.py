@@ -51,6 +51,13 @@ class Services:
     tenants: TenantStore
     keys: KeyStore
 
+    def begin_shutdown(self) -> None:
+        """A graceful stop begins (before the listener closes): running streams go on, but
+        workers are no longer judged by heartbeats, which cannot arrive, nothing is scaled,
+        and requests waiting for a replica are answered 503 at once."""
+        self.pool.begin_shutdown()
+        self.router.begin_shutdown()
+
 
 async def read_json(request: Request) -> Any:
     """The request body as JSON, or a 400 that says what is wrong with it."""

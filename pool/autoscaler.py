@@ -68,6 +68,8 @@ class Autoscaler:
 
     async def tick(self) -> None:
         self.pool.reap_dead()
+        if self.pool.closing:
+            return  # the server is stopping: its streams drain, nothing is scaled
         specs = self.deployments()
         now = time.monotonic()
         for name in {r.deployment for r in self.pool.replicas()} | set(specs):

@@ -231,6 +231,17 @@ class WorkerPool:
             await asyncio.sleep(0.05)
         await self._remove(replica, reason, keep_warm=True)
 
+    def begin_shutdown(self) -> None:
+        """The server stops taking connections and drains its streams (the heartbeats'
+        listener closes with the others): from now on a silent worker is not dead, as its
+        heartbeats cannot arrive (only its process ending counts), and nothing is started
+        or replaced."""
+        self._closing = True
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
     async def shutdown(self) -> None:
         self._closing = True  # warm starts end on their own (no orphaned process)
         for task in list(self._tasks):
@@ -261,7 +272,7 @@ class WorkerPool:
             replica.error = why
             return why
         silent = self.registry.silent_for(replica.handle.worker_id)
-        if silent is not None and silent > self.heartbeat_timeout_s:
+        if silent is not None and silent > self.heartbeat_timeout_s and not self._closing:
             replica.error = f"no heartbeat for {silent:.0f}s"
             return replica.error
         return None

@@ -51,6 +51,12 @@ class Server:
             r = httpx.post(f"{self.url}/v1/deployments", json=spec)
             assert r.status_code == 201, r.text
 
+    def queued(self, name: str) -> int:
+        """Requests of ``name`` waiting for a replica."""
+        r = httpx.get(f"{self.url}/v1/deployments/{name}")
+        assert r.status_code == 200, r.text
+        return int(r.json()["queued_requests"])
+
     def replicas(self, name: str) -> list[dict[str, Any]]:
         r = httpx.get(f"{self.url}/v1/deployments/{name}")
         assert r.status_code == 200, r.text

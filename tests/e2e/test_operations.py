@@ -72,26 +72,60 @@ def test_patch_rolls_replicas_over_without_dropping_a_stream(
         assert "rolled over to version 2" in reasons
 
 
+HEARTBEAT_TIMEOUT_S = 2.5  # the workers beat every 2 s
+
+
 def test_sigterm_lets_running_streams_finish_and_bills_them(
     tmp_path: Path, smollm2_snapshot_bf16: Path
 ) -> None:
-    env = {"HOTPOOL_MAX_WORKERS": "1", "HOTPOOL_WARM_WORKERS": "0"}
+    """The stream outlives the heartbeat timeout after the signal: uvicorn has closed the
+    listener the heartbeats go to, and the worker must not be taken for dead. A request
+    waiting for a worker gets a 503 at once instead of the whole drain's wait."""
+    env = {
+        "HOTPOOL_MAX_WORKERS": "1",
+        "HOTPOOL_WARM_WORKERS": "0",
+        "HOTPOOL_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
+    }
     with running_server(tmp_path, f"file://{smollm2_snapshot_bf16}", env) as srv:
         srv.deploy("drain", idle_timeout_s=120)
+        srv.deploy("cold", idle_timeout_s=120, queue_timeout_s=120)  # no worker free for it
+        stopped: dict[str, float] = {}
+        waiting: list[httpx.Response] = []
+
+        def wait_for_a_worker() -> None:
+            body = {"model": "cold", "prompt": "Hi", "max_tokens": 2}
+            waiting.append(httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120))
+
+        queued = threading.Thread(target=wait_for_a_worker)
 
         def stop_at(n: int) -> None:
             if n == 3:
+                queued.start()
+                srv.wait_for("the request to queue", lambda: srv.queued("cold") == 1, 30)
                 srv.proc.terminate()
+                stopped["at"] = time.monotonic()
 
-        got = _stream(srv, "drain", 60, on_chunk=stop_at)
+        # ~8 s of tokens at this machine's pace: well past the heartbeat timeout, well
+        # inside the 30 s drain (a token rate that halves or doubles still fits both).
+        t0 = time.monotonic()
+        assert _stream(srv, "drain", 24)["finish"] == "length"
+        per_token = (time.monotonic() - t0) / 24
+        n = min(max(int(8 / per_token), 48), 1500)
+        got = _stream(srv, "drain", n, on_chunk=stop_at)
+        streamed_on = time.monotonic() - stopped["at"]
         assert got["error"] is None and got["done"] and got["finish"] == "length"
+        assert streamed_on > HEARTBEAT_TIMEOUT_S + 1.5  # else this test proves nothing
+        queued.join(30)
+        [r] = waiting
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert r.elapsed.total_seconds() < 25  # at once, not after the drain
         # uvicorn exits by re-raising the SIGTERM it handled, so supervisors see it.
         assert srv.proc.wait(timeout=60) in (0, -15)
         # Stopped: no new connections.
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{srv.url}/healthz", timeout=2)
         row = srv.ledger_row(got["request_id"])  # flushed before the process exited
-        assert row.status == "completed" and row.completion_tokens == 60
+        assert row.status == "completed" and row.completion_tokens == n
 
 
 def _cli(home: Path, *args: str) -> str:

@@ -128,6 +128,35 @@ def test_a_client_that_gives_up_while_queued_leaves_the_queue_and_is_not_billed(
     ]
 
 
+def test_when_the_server_begins_to_stop_waiting_requests_get_a_503_at_once(
+    app: tuple[TestClient, Services], tmp_path: Path
+) -> None:
+    client, services = app
+    uri = f"file://{snapshot_folder(tmp_path / 'snap')}"
+    spec = {"name": "tiny", "snapshot_uri": uri, "queue_timeout_s": 60}
+    assert client.post("/v1/deployments", json=spec).status_code == 201
+    waited: list[httpx.Response] = []
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    thread = threading.Thread(
+        target=lambda: waited.append(client.post("/v1/completions", json=body))
+    )
+    thread.start()
+    deadline = time.monotonic() + 5
+    while services.router.queued("tiny") < 1:
+        assert time.monotonic() < deadline, "the request never queued"
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    assert client.portal is not None
+    client.portal.call(services.begin_shutdown)  # what uvicorn's shutdown calls first
+    thread.join(10)
+    assert time.monotonic() - t0 < 5  # not after its 60 s wait, nor the 30 s drain
+    [r] = waited
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"
+    assert r.json()["error"]["code"] == "shutting_down"
+    later = client.post("/v1/completions", json=body)  # one more on an open connection
+    assert later.status_code == 503 and later.json()["error"]["code"] == "shutting_down"
+
+
 def test_a_request_waiting_when_its_deployment_is_deleted_gets_a_404_at_once(
     app: tuple[TestClient, Services], tmp_path: Path
 ) -> None:

@@ -194,6 +194,32 @@ def test_dead_and_silent_workers_are_replaced_when_still_wanted() -> None:
     run(scenario)
 
 
+def test_while_the_server_stops_silence_is_not_death_but_an_exit_still_is() -> None:
+    async def scenario() -> None:
+        pool, backend, events = _pool(max_workers=3, heartbeat_timeout_s=0.2)
+        specs = {"d": _spec("d", min_replicas=2, max_replicas=2, idle_timeout_s=60)}
+        scaler = _scaler(pool, specs, {}, window=60)
+        await scaler.tick()
+        streaming, other = [await _ready(r) for r in pool.replicas("d")]
+        streaming.inflight = 1
+        pool.begin_shutdown()  # uvicorn closes its listeners: heartbeats can no longer arrive
+        for r in (streaming, other):
+            registered = pool.registry.get(r.handle.worker_id)
+            assert registered is not None
+            registered.last_seen = time.monotonic() - 10.0
+        assert pool.reap_dead() == []  # its stream goes on
+        assert streaming.state is ReplicaState.READY
+        backend.kill(other.handle.worker_id)
+        assert pool.reap_dead() == [other]  # a process that ended is still found ...
+        await scaler.tick()
+        assert pool.replicas("d") == [streaming]  # ... and not replaced, even below the floor
+        assert not any(e.reason == "replacing a dead worker" for e in events)
+        streaming.inflight = 0
+        await pool.shutdown()
+
+    run(scenario)
+
+
 def test_worker_failed_tells_dead_from_alive() -> None:
     async def scenario() -> None:
         pool, backend, _ = _pool(max_workers=2)
