@@ -6,6 +6,8 @@ only differences live here, in how connections are set up.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, create_engine, event, make_url, pool
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -29,6 +32,46 @@ def migrations_dir() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("package hotpool.migrations is not installed")
     return Path(next(iter(spec.submodule_search_locations)))
+
+
+class DatabaseUnavailable(RuntimeError):
+    """The ledger's database cannot be opened or reached; the message says why in one line
+    (what a command prints instead of a traceback)."""
+
+
+DRIVERS = {"psycopg2": "postgresql+psycopg2://", "pymysql": "mysql+pymysql://"}
+
+
+@contextlib.contextmanager
+def explained(url: str) -> Iterator[None]:
+    """Turns the ways a database URL fails, from parsing it to the first query, into
+    :class:`DatabaseUnavailable`: a URL that does not parse, a dialect or driver that is
+    not installed (SQLAlchemy takes plain ``postgresql://`` for psycopg 3, which hotpool
+    does not ship), a SQLite folder that cannot be made, a server that does not answer."""
+    shown = _hide_password(url)
+    try:
+        yield
+    except (NoSuchModuleError, ModuleNotFoundError) as exc:  # before its base, ArgumentError
+        have = ", ".join(f"{prefix} ({d})" for d, prefix in DRIVERS.items() if find_spec(d))
+        raise DatabaseUnavailable(
+            f"HOTPOOL_DATABASE_URL {shown!r} needs a database driver that is not installed "
+            f"({exc}); installed: {have or 'none'}"
+        ) from None
+    except ArgumentError:
+        raise DatabaseUnavailable(
+            f"HOTPOOL_DATABASE_URL {shown!r} is not a database URL (such as "
+            "sqlite:////path/hotpool.db or postgresql+psycopg2://user:pass@host/db)"
+        ) from None
+    except OperationalError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        raise DatabaseUnavailable(f"cannot use the database {shown!r}: {reason}") from None
+
+
+def _hide_password(url: str) -> str:
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
 
 
 class StaleSchema(RuntimeError):
@@ -61,7 +104,14 @@ class Database:
                 # One shared connection, or each connection would see its own empty database.
                 kwargs["poolclass"] = pool.StaticPool
             else:
-                Path(self.url.database or "").parent.mkdir(parents=True, exist_ok=True)
+                folder = Path(self.url.database or "").parent
+                try:
+                    folder.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:  # HOTPOOL_HOME a file, a folder not writable...
+                    raise DatabaseUnavailable(
+                        f"cannot make the folder {folder} for the SQLite database: "
+                        f"{exc.strerror or exc}"
+                    ) from None
         else:
             kwargs["pool_pre_ping"] = True
         self.engine: Engine = create_engine(self.url, **kwargs)

@@ -287,19 +287,33 @@ def db() -> None:
 @click.option("--revision", default="head", show_default=True)
 def db_upgrade(revision: str) -> None:
     """Migrate the database at HOTPOOL_DATABASE_URL to REVISION."""
-    from hotpool.billing.db import Database
+    from alembic.util.exc import CommandError
 
-    database = Database(_settings().database_url)
-    database.upgrade(revision)
-    click.echo(f"database at revision {database.current_revision()}")
+    from hotpool.billing.db import Database, DatabaseUnavailable, explained
+
+    url = _settings().database_url
+    try:
+        with explained(url):
+            database = Database(url)
+            database.upgrade(revision)
+            click.echo(f"database at revision {database.current_revision()}")
+    except DatabaseUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
+    except CommandError as exc:  # an unknown revision
+        raise click.ClickException(f"cannot upgrade to {revision!r}: {exc}") from None
 
 
 @db.command("current")
 def db_current() -> None:
     """Print the database's current revision."""
-    from hotpool.billing.db import Database
+    from hotpool.billing.db import Database, DatabaseUnavailable, explained
 
-    click.echo(Database(_settings().database_url).current_revision() or "(empty)")
+    url = _settings().database_url
+    try:
+        with explained(url):
+            click.echo(Database(url).current_revision() or "(empty)")
+    except DatabaseUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 # Registered last: the snapshot commands live in their own module.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
@@ -25,10 +26,20 @@ def settings_or_exit() -> Settings:
         sys.exit(2)
 
 
+# A bare snapshot name: parts of letters, digits, '.', '_', '-' (none a '.' or '..': the
+# name must stay inside the local object store), separated by '/'.
+SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
+
+
 def snapshot_uri(settings: Settings, value: str) -> str:
     """A full URI as given; a bare name means a snapshot in the local object store."""
     if "://" in value:
         return value
+    if not SNAPSHOT_NAME.fullmatch(value):
+        raise click.UsageError(
+            f"{value!r} is neither a snapshot name (letters, digits, '.', '_' and '-', parts "
+            "separated by '/') nor a URI such as file:///abs/path or s3://bucket/prefix"
+        )
     return f"file://{settings.snapshots_dir / value}"
 
 
@@ -36,21 +47,20 @@ def snapshot_uri(settings: Settings, value: str) -> str:
 def database() -> Iterator[Database]:
     """The ledger of the current settings with a current schema (SQLite is migrated on the
     spot, as `hotpool serve` does), or a one-line error."""
-    from sqlalchemy.exc import OperationalError
+    from hotpool.billing.db import Database, DatabaseUnavailable, StaleSchema, explained
 
-    from hotpool.billing.db import Database, StaleSchema
-
-    db = Database(settings_or_exit().database_url)
+    url = settings_or_exit().database_url
+    db: Database | None = None
     try:
-        db.ensure_schema()
-        yield db
-    except StaleSchema as exc:
+        with explained(url):
+            db = Database(url)
+            db.ensure_schema()
+            yield db
+    except (StaleSchema, DatabaseUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
-    except OperationalError as exc:
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-        raise click.ClickException(f"cannot use the database {db!r}: {reason}") from None
     finally:
-        db.dispose()
+        if db is not None:
+            db.dispose()
 
 
 def print_table(
@@ -68,6 +78,10 @@ def print_table(
         click.echo("  ".join(cells).rstrip())
 
 
+EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST = datetime(9999, 1, 1, tzinfo=UTC)  # a margin under datetime.max: hours get added
+
+
 def utc_time(value: str | None, option: str) -> datetime | None:
     """An ISO 8601 option value; without an offset it is taken as UTC."""
     if value is None:
@@ -79,7 +93,16 @@ def utc_time(value: str | None, option: str) -> datetime | None:
             f"{value!r} is not an ISO 8601 time such as 2025-04-01 or 2025-04-01T12:00+02:00",
             param_hint=option,
         ) from None
-    return at.replace(tzinfo=UTC) if at.tzinfo is None else at
+    at = at.replace(tzinfo=UTC) if at.tzinfo is None else at
+    try:
+        inside = EARLIEST <= at < LATEST
+    except OverflowError:  # 0001-01-01T00:00+01:00 is before year 1 in UTC
+        inside = False
+    if not inside:
+        raise click.BadParameter(
+            f"{value!r} is outside the times hotpool keeps (1970 to 9998)", param_hint=option
+        )
+    return at
 
 
 def api_url(url: str | None) -> str:

@@ -79,6 +79,9 @@ def _snapshot_errors() -> Iterator[None]:
         yield
     except SnapshotError as exc:
         raise click.ClickException(str(exc)) from None
+    except OSError as exc:  # a local target that cannot be written: /proc/x, a file's child...
+        where = f": {exc.filename}" if exc.filename else ""
+        raise click.ClickException(f"{exc.strerror or exc}{where}") from None
 
 
 def _size(n: int) -> str:

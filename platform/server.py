@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import uvicorn
 
-from hotpool.billing.db import Database, StaleSchema
+from hotpool.billing.db import Database, DatabaseUnavailable, StaleSchema, explained
 from hotpool.billing.deployments import DeploymentSpec, DeploymentStore
 from hotpool.heap import settle_heap
 from hotpool.http_protocol import CorkedHttpToolsProtocol
@@ -32,10 +32,15 @@ class StartupError(RuntimeError):
 
 def open_database(settings: Settings) -> Database:
     """SQLite is upgraded automatically; a server database must be upgraded on purpose."""
-    db = Database(settings.database_url)
     try:
-        db.ensure_schema()
-    except StaleSchema as exc:
+        with explained(settings.database_url):
+            db = Database(settings.database_url)
+    except DatabaseUnavailable as exc:
+        raise StartupError(str(exc)) from None
+    try:
+        with explained(settings.database_url):
+            db.ensure_schema()
+    except (StaleSchema, DatabaseUnavailable) as exc:
         db.dispose()
         raise StartupError(str(exc)) from None
     return db
@@ -107,7 +112,12 @@ def ray_backend(settings: Settings, host: str, port: int, token: str) -> WorkerB
 
 def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per worker call otherwise
-    settings.home.mkdir(parents=True, exist_ok=True)
+    try:
+        settings.home.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(
+            f"HOTPOOL_HOME {settings.home} is not a folder hotpool can use: {exc.strerror or exc}"
+        ) from None
     db = open_database(settings)
     store = DeploymentStore(db)
     for spec in deploy or []:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from cli_runner import invoke
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 
 @pytest.fixture
@@ -99,6 +99,61 @@ def test_db_upgrade_honours_database_url(run: CliRunner, tmp_path: Path) -> None
     result = invoke(run, "db", "upgrade", env={"HOTPOOL_DATABASE_URL": url})
     assert result.exit_code == 0, result.output
     assert (tmp_path / "elsewhere" / "ledger.db").is_file()
+
+
+def _one_line_error(result: Result) -> str:
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    return lines[0]
+
+
+DATABASES = [
+    ("postgresql+psycopg2://u:secret@127.0.0.1:1/x", "Connection refused"),
+    ("postgresql://127.0.0.1:1/x", "postgresql+psycopg2://"),  # SQLAlchemy's psycopg 3
+    ("notaurl", "is not a database URL"),
+    ("foo://x", "needs a database driver"),
+]
+
+
+@pytest.mark.parametrize(("url", "says"), DATABASES)
+@pytest.mark.parametrize(
+    "args", [("db", "current"), ("db", "upgrade"), ("tenants", "list"), ("keys", "list")]
+)
+def test_a_database_that_cannot_be_used_is_one_line(
+    run: CliRunner, url: str, says: str, args: tuple[str, ...]
+) -> None:
+    line = _one_line_error(invoke(run, *args, env={"HOTPOOL_DATABASE_URL": url}))
+    assert says in line and "secret" not in line
+
+
+def test_a_home_that_is_a_file_is_one_line(run: CliRunner, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    env = {"HOTPOOL_HOME": str(tmp_path / "file")}
+    for args in (("db", "current"), ("tenants", "list"), ("ledger", "check"), ("serve",)):
+        assert "File exists" in _one_line_error(invoke(run, *args, env=env))
+
+
+def test_an_unknown_revision_is_one_line(run: CliRunner) -> None:
+    assert "nosuchrev" in _one_line_error(invoke(run, "db", "upgrade", "--revision", "nosuchrev"))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("prices", "set", "--input", "1", "--cached-input", "0", "--output", "0",
+         "--effective-from", "0001-01-01T00:00:00+01:00"),
+        ("prices", "set", "--input", "1", "--cached-input", "0", "--output", "0",
+         "--effective-from", "9999-12-31T23:00:00-05:00"),
+        ("ledger", "rollup", "--since", "0001-01-01T00:00:00+01:00"),
+        ("ledger", "rollup", "--until", "9999-12-31T23:59:59-05:00"),
+    ],
+)  # fmt: skip
+def test_times_out_of_range_are_usage_errors(run: CliRunner, args: tuple[str, ...]) -> None:
+    result = invoke(run, *args)
+    assert result.exit_code == 2 and "outside the times hotpool keeps" in result.stderr
+    assert "Traceback" not in result.output
 
 
 @pytest.mark.parametrize(

@@ -179,14 +179,25 @@ def test_a_gguf_that_is_not_one_is_a_clear_error(runner: CliRunner, tmp_path: Pa
         ("", ("inspect", "http://example.com/x"), 1, "unsupported snapshot URI"),
         ("", ("verify", "file://relative/x"), 1, "three slashes"),
         ("", ("rm", "file:///{tmp}/nothing"), 1, "no snapshot at"),
+        # a bare name stays inside the local object store
+        ("hf", ("push", "{tmp}/hf", "../escape"), 2, "is neither a snapshot name"),
+        ("hf", ("push", "{tmp}/hf", "a/../../b"), 2, "is neither a snapshot name"),
+        ("", ("inspect", "../escape"), 2, "is neither a snapshot name"),
+        ("hf", ("push", "{tmp}/hf", "with space"), 2, "is neither a snapshot name"),
+        # a local target that cannot be written
+        ("hf", ("push", "{tmp}/hf", "file:///proc/hotpool-x"), 1, "No such file or directory"),
+        ("file", ("push", "{tmp}/hf", "file:///{tmp}/plain/sub"), 1, "Not a directory"),
     ],
-    ids=["no-config", "dtype-on-folder", "not-gguf", "missing-src", "scheme", "relative", "rm"],
-)
+    ids=["no-config", "dtype-on-folder", "not-gguf", "missing-src", "scheme", "relative", "rm",
+         "dot-dot", "dot-dot-inside", "inspect-dot-dot", "space", "unwritable", "under-a-file"],
+)  # fmt: skip
 def test_mistakes_are_one_line_with_an_exit_code(
     runner: CliRunner, tmp_path: Path, setup: str, args: tuple[str, ...], code: int, message: str
 ) -> None:
-    if setup == "hf":
+    if setup in ("hf", "file"):
         make_hf_folder(tmp_path / "hf")
+    if setup == "file":
+        (tmp_path / "plain").write_text("a file, not a folder")
     elif setup == "empty":
         (tmp_path / "empty").mkdir()
     result = invoke(runner, "snapshot", *(a.format(tmp=tmp_path) for a in args))
