@@ -72,8 +72,11 @@ async def create_key(request: Request) -> Response:
     tenant_name, scopes, name = body.get("tenant"), body.get("scopes"), body.get("name")
     if not isinstance(tenant_name, str):
         raise invalid("`tenant` must be a tenant's name", "tenant")
-    if not isinstance(scopes, list) or not all(isinstance(s, str) for s in scopes):
-        raise invalid("`scopes` must be a list of deploy, invoke, usage, admin", "scopes")
+    if not isinstance(scopes, list) or not all(isinstance(s, str) and "," not in s for s in scopes):
+        raise invalid(
+            "`scopes` must be a list of deploy, invoke, usage, admin (one scope a string)",
+            "scopes",
+        )
     if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= 128):
         raise invalid("`name` must be a string of 1 to 128 characters", "name")
     try:

@@ -34,7 +34,7 @@ from hotpool.platform.auth import Authenticator, authorize
 from hotpool.platform.deployments_api import event_json
 from hotpool.platform.errors import invalid
 from hotpool.platform.services import Services
-from hotpool.platform.usage_api import tenant_filter, time_param
+from hotpool.platform.usage_api import EPOCH, tenant_filter, time_param
 from hotpool.pool.replica import ReplicaState
 
 SUMMARY_PARAMS = {"start_time", "end_time", "tenant"}
@@ -98,7 +98,7 @@ async def get_summary(request: Request) -> Response:
     if unknown:
         raise invalid(f"unknown query parameter `{unknown[0]}`", unknown[0])
     end = time_param(request, "end_time") or datetime.now(UTC)
-    start = time_param(request, "start_time") or end - DEFAULT_RANGE
+    start = time_param(request, "start_time") or max(end - DEFAULT_RANGE, EPOCH)
     if start >= end:
         raise invalid("`start_time` must be before `end_time`", "start_time")
     if end - start > MAX_RANGE:

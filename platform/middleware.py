@@ -6,6 +6,7 @@ import logging
 import re
 import time
 import uuid
+from urllib.parse import quote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -93,7 +94,9 @@ def _log_access(scope: Scope, status: int, seconds: float, request_id: str) -> N
     client = scope.get("client")
     who = f"{client[0]}:{client[1]}" if client else "-"
     query = scope.get("query_string", b"")
-    path = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+    # The path is percent-decoded: quoted again (as uvicorn's own access log does), a
+    # "%0a" in it cannot start a forged line of this log, nor a "%00" write a NUL into it.
+    path = quote(scope["path"]) + ("?" + query.decode("latin-1") if query else "")
     access_log.info(
         '%s - "%s %s HTTP/%s" %d %.1fms %s',
         who, scope["method"], path, scope.get("http_version", "1.1"), status, seconds * 1e3,

@@ -119,6 +119,16 @@ def test_each_request_is_in_the_access_log_once_over_but_not_worker_heartbeats(
     assert all(r.duration_ms >= 0 for r in lines)  # type: ignore[attr-defined]
 
 
+def test_a_path_cannot_forge_a_line_of_the_access_log(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="hotpool.access"):
+        client.get("/v1/keys/%0a2026-12-01 FAKE ERROR injected%00%ff")
+    [line] = [r.getMessage() for r in caplog.records if r.name == "hotpool.access"]
+    assert "\n" not in line and "\x00" not in line  # one line, and no NUL in the log
+    assert "%0A2026-12-01%20FAKE%20ERROR%20injected%00" in line
+
+
 @pytest.mark.parametrize("level", [logging.INFO, logging.DEBUG])
 def test_asking_for_prompts_in_the_log_is_loud_at_start_up(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, level: int

@@ -233,7 +233,8 @@ def test_admin_creates_tenants_and_keys_shown_once(world: World) -> None:
     assert world.client.get("/v1/models", headers=gamma).json()["data"] == []
     _error(world.client.get("/v1/deployments", headers=gamma), 403, "insufficient_scope")
     bad = [{"tenant": "nobody", "scopes": ["invoke"]}, {"tenant": "gamma", "scopes": ["root"]},
-           {"tenant": "gamma", "scopes": []}, {"tenant": "gamma", "scopes": "invoke"}]  # fmt: skip
+           {"tenant": "gamma", "scopes": []}, {"tenant": "gamma", "scopes": "invoke"},
+           {"tenant": "gamma", "scopes": ["invoke,admin"]}]  # fmt: skip
     for b in bad:
         assert world.client.post("/v1/keys", json=b, headers=admin).status_code in (400, 404)
 

@@ -106,6 +106,14 @@ def test_summary_refuses_bad_ranges_with_the_parameter_named(
     assert err["param"] == param and message in err["message"], err
 
 
+def test_the_default_summary_range_starts_no_earlier_than_1970(
+    local: tuple[TestClient, str],
+) -> None:
+    client, _ = local
+    body = client.get("/v1/usage/summary", params={"end_time": "1"}).json()
+    assert (body["start_time"], body["end_time"]) == (0, 1)
+
+
 def test_summary_of_an_empty_ledger_lists_nothing(local: tuple[TestClient, str]) -> None:
     client, _ = local
     body = client.get("/v1/usage/summary").json()
