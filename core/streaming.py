@@ -22,12 +22,14 @@ client already served: a relay drains its upstream there, a meter writes its rec
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import TypeVar
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client gave up on
+T = TypeVar("T")
 
 
 class Last(bytes):
@@ -139,6 +141,34 @@ class DisconnectWatch:
     def stop(self) -> None:
         self.armed = False
         self._watcher.cancel()
+
+
+async def while_connected(
+    receive: Receive,
+    events: AsyncIterator[T],
+    respond: Callable[[T, DisconnectWatch], Awaitable[Response]],
+) -> Response:
+    """``respond(first event, watch)``: the answer to a request whose ``events`` (a
+    generation) end early if its client goes away meanwhile: while the first event is
+    awaited (the request waits in a queue or a cold start, and its place goes to the next)
+    or, for an answer sent whole, while the rest are collected. A :class:`ChunkStream`
+    made with the watch keeps it for the stream; otherwise it stops here."""
+    watch = DisconnectWatch(receive)
+    kept = False
+    try:
+        response = await respond(await anext(events), watch)
+        kept = isinstance(response, ChunkStream) and response.watch is watch
+        return response
+    except asyncio.CancelledError:
+        if not watch.absorb():
+            raise
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        return client_gone()
+    finally:
+        if not kept:
+            watch.stop()
 
 
 def client_gone() -> Response:

@@ -14,7 +14,6 @@ The answer holds each choice's text and token ids; streamed, it is newline-delim
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -25,14 +24,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hotpool.platform.auth import authorize, caller, owned
-from hotpool.platform.choices import collect_choices
+from hotpool.platform.choices import Collected, collect_choices
 from hotpool.platform.errors import APIError, invalid
 from hotpool.platform.invoke import Served, version_header
 from hotpool.platform.logprobs import native_logprobs
 from hotpool.platform.openai_routes import usage_json
 from hotpool.platform.schemas import Body, CompletionCall, parse_messages, sampling_params
 from hotpool.platform.services import Services, read_json
-from hotpool.streaming import ChunkStream, DisconnectWatch, Last, client_gone
+from hotpool.streaming import ChunkStream, DisconnectWatch, Last, while_connected
 from hotpool.worker.protocol import GenerateEvent, Usage
 
 INVOKE_FIELDS = {"prompt", "messages", "params", "stream"}
@@ -80,25 +79,25 @@ async def invoke(request: Request) -> Response:
     target = services.router.choose(spec, services.catalog.canary_of(spec), call.user)
     served = Served()
     events = services.invoker.generate(target, call, request_id, caller(request, principal), served)
-    watch = DisconnectWatch(request.receive)  # as for the OpenAI routes: a client gone ends it
-    streaming = False
-    try:
-        first = await anext(events)  # queueing, cold start and validation errors surface here
+    want_logprobs = call.params.logprobs is not None
+
+    # The first event: queueing, cold start and validation errors surface before it.
+    async def respond(first: GenerateEvent, watch: DisconnectWatch) -> Response:
         headers = version_header(served)
-        want_logprobs = call.params.logprobs is not None
         if call.stream:
-            streaming = True  # the stream's response keeps the watch
             lines = _ndjson(call.params.n, want_logprobs, first, events)
             return ChunkStream(lines, "application/x-ndjson", headers, watch=watch)
         collected = await collect_choices(call.params.n, first, events)
-    except asyncio.CancelledError:
-        if not watch.absorb():
-            raise
-        await events.aclose()
-        return client_gone()
-    finally:
-        if not streaming:
-            watch.stop()
+        return JSONResponse(
+            _invocation(request_id, name, want_logprobs, collected), headers=headers
+        )
+
+    return await while_connected(request.receive, events, respond)
+
+
+def _invocation(
+    request_id: str, name: str, want_logprobs: bool, collected: Collected
+) -> dict[str, Any]:
     outputs = []
     for i, c in enumerate(collected.choices):
         out: dict[str, Any] = {
@@ -110,16 +109,13 @@ async def invoke(request: Request) -> Response:
         if want_logprobs:
             out["logprobs"] = native_logprobs(c.logprobs)
         outputs.append(out)
-    return JSONResponse(
-        {
-            "object": "invocation",
-            "id": request_id,
-            "deployment": name,
-            "outputs": outputs,
-            "usage": usage_json(collected.usage),
-        },
-        headers=headers,
-    )
+    return {
+        "object": "invocation",
+        "id": request_id,
+        "deployment": name,
+        "outputs": outputs,
+        "usage": usage_json(collected.usage),
+    }
 
 
 async def _ndjson(

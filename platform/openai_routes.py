@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
@@ -21,7 +20,7 @@ from hotpool.platform.invoke import Served, version_header
 from hotpool.platform.logprobs import CompletionLogprobs, chat_logprobs
 from hotpool.platform.schemas import CompletionCall, parse_chat, parse_completion
 from hotpool.platform.services import Services, read_json
-from hotpool.streaming import ChunkStream, DisconnectWatch, Last, client_gone
+from hotpool.streaming import ChunkStream, DisconnectWatch, Last, while_connected
 from hotpool.worker.protocol import GenerateEvent, PositionLogprobs, Usage
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
@@ -114,27 +113,17 @@ async def _complete(request: Request, principal: Principal, call: CompletionCall
     target = services.router.choose(spec, services.catalog.canary_of(spec), call.user)
     served = Served()
     events = services.invoker.generate(target, call, request_id, caller(request, principal), served)
-    # From here a client that goes away ends its request: waiting in the queue or through a
-    # cold start (its place goes to the next), or while a non-streamed answer generates.
-    watch = DisconnectWatch(request.receive)
-    streaming = False
-    try:
-        first = await anext(events)  # queueing, cold start and validation errors surface here
+
+    # The first event: queueing, cold start and validation errors surface before it.
+    async def respond(first: GenerateEvent, watch: DisconnectWatch) -> Response:
         shape = _Shape(call, request_id)
         headers = version_header(served)
         if call.stream:
-            streaming = True  # the stream's response keeps the watch
             stream = _sse(shape, call, first, events)
             return ChunkStream(stream, SSE_MEDIA_TYPE, headers, watch=watch)
         return JSONResponse(await _collect(shape, first, events), headers=headers)
-    except asyncio.CancelledError:
-        if not watch.absorb():
-            raise
-        await events.aclose()
-        return client_gone()
-    finally:
-        if not streaming:
-            watch.stop()
+
+    return await while_connected(request.receive, events, respond)
 
 
 async def _collect(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -129,22 +130,9 @@ def test_a_client_that_gives_up_while_queued_leaves_the_queue_and_is_not_billed(
 
 
 def test_when_the_server_begins_to_stop_waiting_requests_get_a_503_at_once(
-    app: tuple[TestClient, Services], tmp_path: Path
+    waiting: Waiting,
 ) -> None:
-    client, services = app
-    uri = f"file://{snapshot_folder(tmp_path / 'snap')}"
-    spec = {"name": "tiny", "snapshot_uri": uri, "queue_timeout_s": 60}
-    assert client.post("/v1/deployments", json=spec).status_code == 201
-    waited: list[httpx.Response] = []
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
-    thread = threading.Thread(
-        target=lambda: waited.append(client.post("/v1/completions", json=body))
-    )
-    thread.start()
-    deadline = time.monotonic() + 5
-    while services.router.queued("tiny") < 1:
-        assert time.monotonic() < deadline, "the request never queued"
-        time.sleep(0.01)
+    client, services, thread, waited = waiting.client, waiting.services, waiting.thread, waiting.got
     t0 = time.monotonic()
     assert client.portal is not None
     client.portal.call(services.begin_shutdown)  # what uvicorn's shutdown calls first
@@ -153,27 +141,14 @@ def test_when_the_server_begins_to_stop_waiting_requests_get_a_503_at_once(
     [r] = waited
     assert r.status_code == 503 and r.headers["retry-after"] == "5"
     assert r.json()["error"]["code"] == "shutting_down"
-    later = client.post("/v1/completions", json=body)  # one more on an open connection
+    later = client.post("/v1/completions", json=waiting.body)  # one more on an open connection
     assert later.status_code == 503 and later.json()["error"]["code"] == "shutting_down"
 
 
 def test_a_request_waiting_when_its_deployment_is_deleted_gets_a_404_at_once(
-    app: tuple[TestClient, Services], tmp_path: Path
+    waiting: Waiting,
 ) -> None:
-    client, services = app
-    uri = f"file://{snapshot_folder(tmp_path / 'snap')}"
-    spec = {"name": "tiny", "snapshot_uri": uri, "queue_timeout_s": 60}
-    assert client.post("/v1/deployments", json=spec).status_code == 201
-    waited: list[httpx.Response] = []
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
-    thread = threading.Thread(
-        target=lambda: waited.append(client.post("/v1/completions", json=body))
-    )
-    thread.start()
-    deadline = time.monotonic() + 5
-    while services.router.queued("tiny") < 1:
-        assert time.monotonic() < deadline, "the request never queued"
-        time.sleep(0.01)
+    client, thread, waited = waiting.client, waiting.thread, waiting.got
     t0 = time.monotonic()
     assert client.delete("/v1/deployments/tiny").status_code == 200
     thread.join(10)
@@ -183,5 +158,36 @@ def test_a_request_waiting_when_its_deployment_is_deleted_gets_a_404_at_once(
     assert r.status_code == 404 and r.json()["error"]["code"] == "deployment_not_found"
     assert "deleted" in r.json()["error"]["message"]
     # The name is free at once, and its new deployment starts from nothing of the old one.
-    assert client.post("/v1/deployments", json=spec).status_code == 201
+    assert client.post("/v1/deployments", json=waiting.spec).status_code == 201
     assert client.get("/v1/deployments/tiny").json()["replicas"] == []
+
+
+@dataclass
+class Waiting:
+    """A deployment whose replica never comes, and a request (sent from ``thread``) that
+    waits for it; ``got`` holds its response once the thread ends."""
+
+    client: TestClient
+    services: Services
+    spec: dict[str, object]
+    body: dict[str, object]
+    thread: threading.Thread
+    got: list[httpx.Response]
+
+
+@pytest.fixture
+def waiting(app: tuple[TestClient, Services], tmp_path: Path) -> Iterator[Waiting]:
+    client, services = app
+    uri = f"file://{snapshot_folder(tmp_path / 'snap')}"
+    spec: dict[str, object] = {"name": "tiny", "snapshot_uri": uri, "queue_timeout_s": 60}
+    assert client.post("/v1/deployments", json=spec).status_code == 201
+    body: dict[str, object] = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    got: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: got.append(client.post("/v1/completions", json=body)))
+    thread.start()
+    deadline = time.monotonic() + 5
+    while services.router.queued("tiny") < 1:
+        assert time.monotonic() < deadline, "the request never queued"
+        time.sleep(0.01)
+    yield Waiting(client, services, spec, body, thread, got)
+    thread.join(70)
