@@ -63,8 +63,14 @@ def explained(url: str) -> Iterator[None]:
             "sqlite:////path/hotpool.db or postgresql+psycopg2://user:pass@host/db)"
         ) from None
     except OperationalError as exc:
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-        raise DatabaseUnavailable(f"cannot use the database {shown!r}: {reason}") from None
+        raise unreachable(exc, url) from None
+
+
+def unreachable(exc: OperationalError, url: str) -> DatabaseUnavailable:
+    """``exc`` (the server refused, went away, or the file cannot be opened) in one line."""
+    lines = str(exc.orig or exc).strip().splitlines()
+    reason = lines[0] if lines else type(exc.orig or exc).__name__
+    return DatabaseUnavailable(f"cannot use the database {_hide_password(url)!r}: {reason}")
 
 
 def _hide_password(url: str) -> str:

@@ -47,20 +47,32 @@ def snapshot_uri(settings: Settings, value: str) -> str:
 def database() -> Iterator[Database]:
     """The ledger of the current settings with a current schema (SQLite is migrated on the
     spot, as `hotpool serve` does), or a one-line error."""
-    from hotpool.billing.db import Database, DatabaseUnavailable, StaleSchema, explained
+    from sqlalchemy.exc import OperationalError
+
+    from hotpool.billing.db import (
+        Database,
+        DatabaseUnavailable,
+        StaleSchema,
+        explained,
+        unreachable,
+    )
 
     url = settings_or_exit().database_url
-    db: Database | None = None
     try:
         with explained(url):
             db = Database(url)
+    except DatabaseUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        with explained(url):  # where a URL, a driver or a server fails
             db.ensure_schema()
-            yield db
+        yield db  # the command's own errors stay its own, but for losing the server
     except (StaleSchema, DatabaseUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
+    except OperationalError as exc:
+        raise click.ClickException(str(unreachable(exc, url))) from None
     finally:
-        if db is not None:
-            db.dispose()
+        db.dispose()
 
 
 def print_table(

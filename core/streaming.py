@@ -135,8 +135,8 @@ class DisconnectWatch:
         if not self.fired:
             return False
         self.fired = False
-        self._task.uncancel()
-        return True
+        # Another cancel in the same pass (the server's drain running out) still stands.
+        return self._task.uncancel() == 0
 
     def stop(self) -> None:
         self.armed = False

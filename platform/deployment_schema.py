@@ -20,7 +20,8 @@ from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 # S3's bucket naming rule (what MinIO and other S3-compatible stores hold to as well), and a
 # key prefix the workers can list: no query, fragment or control characters.
-S3_URI = re.compile(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^?#\x00-\x1f\x7f]*)?")
+# (Legacy buckets, which S3 still serves, may hold capitals and '_', and be 255 long.)
+S3_URI = re.compile(r"s3://[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9](/[^?#\x00-\x1f\x7f]*)?")
 DTYPES = ("bf16", "fp16", "fp32")
 MAX_IDLE_TIMEOUT_S = 7 * 86400
 MAX_QUEUE_TIMEOUT_S = 3600
@@ -38,14 +39,14 @@ def _snapshot_uri(value: Any) -> str:
         )
     uri = value.rstrip("/")
     if value.startswith("file://"):
-        _check_local_snapshot(uri)
+        _check_local_snapshot(value)
     elif not S3_URI.fullmatch(uri):
         # Checked now: a URI no worker can fetch would otherwise be stored, and fail every
         # cold start of the deployment with a 503.
         raise invalid(
-            f"`snapshot_uri` {uri!r} is not an s3://bucket/prefix URI: the bucket must be 3-63 "
-            "characters of a-z, 0-9, '.' and '-', starting and ending with a letter or "
-            "digit, and the prefix must not hold '?', '#' or control characters",
+            f"`snapshot_uri` {uri!r} is not an s3://bucket/prefix URI: the bucket must be 3-255 "
+            "characters of letters, digits, '.', '_' and '-', starting and ending with a "
+            "letter or digit, and the prefix must not hold '?', '#' or control characters",
             "snapshot_uri",
         )
     return uri

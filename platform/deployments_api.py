@@ -244,6 +244,7 @@ async def delete_deployment(request: Request) -> Response:
     # Its replicas stop taking requests now (a new deployment may take the name at once:
     # they must never serve it) and drain.
     services.pool.retire(spec.name)
+    services.autoscaler.forget(spec.name)
     services.autoscaler.wake()
     return JSONResponse({"id": spec.name, "object": "deployment", "deleted": True})
 

@@ -136,6 +136,11 @@ class Invoker:
                     lease = tally.lease
                     if tally.delivered or attempt >= MAX_RETRIES or lease is None:
                         raise
+                    if lease.replica.retired:  # never again under the name: a new one's
+                        raise APIError(
+                            404, f"deployment {spec.name!r} was deleted",
+                            code="deployment_not_found",
+                        ) from exc  # fmt: skip
                     attempt += 1
                     failed = lease
                     dead = await self.router.pool.worker_failed(lease.replica)

@@ -72,7 +72,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send_with_id)
         except Exception:
             log.exception(
-                "unhandled error in %s %s (%s)", scope["method"], scope["path"], request_id
+                "unhandled error in %s %s (%s)", scope["method"], quote(scope["path"]), request_id
             )
             if started:
                 raise  # mid-stream: nothing sane can be sent any more

@@ -140,6 +140,8 @@ class Router:
         self.on_demand()
         try:
             while True:
+                if self._stopping.is_set():
+                    raise _shutting_down()
                 starting = [
                     r
                     for r in self.pool.replicas(spec.name)

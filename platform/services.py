@@ -67,7 +67,9 @@ async def read_json(request: Request) -> Any:
     if not body:
         raise APIError(400, "the request body is empty; expected a JSON object")
     try:
-        value = json.loads(body)
+        # UTF-8 strictly (RFC 8259): json.loads(bytes) would also take UTF-16/32 and the
+        # bytes of a lone surrogate, which no string check below could then tell from text.
+        value = json.loads(body.decode("utf-8"))
     # ValueError also covers an integer of more than 4300 digits; RecursionError, nesting
     # too deep for the parser. Both are the client's bad input, not a server error.
     except (ValueError, RecursionError) as exc:

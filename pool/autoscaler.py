@@ -52,6 +52,12 @@ class Autoscaler:
         # (time, desired) recommendations per (deployment, version) within the window.
         self._history: defaultdict[tuple[str, int], deque[tuple[float, int]]] = defaultdict(deque)
 
+    def forget(self, name: str) -> None:
+        """``name`` was deleted: its window of recommendations goes (a new deployment may
+        take the name, and must not scale on the old one's load)."""
+        for key in [k for k in self._history if k[0] == name]:
+            del self._history[key]
+
     def wake(self) -> None:
         """Reconcile now (demand just changed) instead of at the next tick."""
         self._wake.set()
@@ -72,11 +78,11 @@ class Autoscaler:
             return  # the server is stopping: its streams drain, nothing is scaled
         specs = self.deployments()
         now = time.monotonic()
-        for name in {r.deployment for r in self.pool.replicas()} | set(specs):
+        names = {r.deployment for r in self.pool.replicas()} | {k[0] for k in self._history}
+        for name in names | set(specs):
             spec = specs.get(name)
             if spec is None:
-                for key in [k for k in self._history if k[0] == name]:
-                    del self._history[key]
+                self.forget(name)
                 self.pool.retire(name)  # the API does this at once; any other delete, here
                 continue
             self._reconcile(spec, now)

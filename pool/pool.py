@@ -188,12 +188,13 @@ class WorkerPool:
         self._canaries.pop(deployment, None)
         for r in self.replicas(deployment):
             r.retired = True
-            if self.cancel(r, reason):
-                continue
             task = self._cold_starts.get(r.id)
-            if task is not None and not task.done():
+            if self.cancel(r, reason):
+                self.on_ready(r)  # a retired replica has no scale-down event: this ends it
+            elif task is not None and not task.done():
                 r.error = r.error or reason
                 task.cancel()  # it removes the replica, stops its worker and wakes waiters
+                self.on_ready(r)
             else:
                 self.release_soon(r, reason)
 
