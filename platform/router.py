@@ -124,8 +124,6 @@ class Router:
         ready = self._pick(target, avoid)
         if ready is not None:
             return ready, False
-        if self._stopping.is_set():
-            raise _shutting_down()
         max_queue = spec.max_queue or self.max_queue
         timeout_s = spec.queue_timeout_s or self.queue_timeout_s
         if self.waiting[spec.name] >= max_queue:
