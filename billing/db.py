@@ -47,7 +47,8 @@ def explained(url: str) -> Iterator[None]:
     """Turns the ways a database URL fails, from parsing it to the first query, into
     :class:`DatabaseUnavailable`: a URL that does not parse, a dialect or driver that is
     not installed (SQLAlchemy takes plain ``postgresql://`` for psycopg 3, which hotpool
-    does not ship), a SQLite folder that cannot be made, a server that does not answer."""
+    does not ship), a server that does not answer. (A SQLite folder that cannot be made is
+    one already: :class:`Database` raises it.)"""
     shown = _hide_password(url)
     try:
         yield
