@@ -1,0 +1,216 @@
+"""The API-key check's cache: one SQL lookup per key at a time, re-checked ahead of expiry,
+and never trusted longer than KEY_CACHE_S (a real KeyStore on SQLite; the clock is ours)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.requests import Request
+
+from hotpool.billing.db import Database
+from hotpool.billing.keys import ApiKeyRecord, KeyStore, parse_scopes
+from hotpool.billing.tenants import TenantStore
+from hotpool.platform.auth import KEY_CACHE_S, KEY_REFRESH_S, Authenticator
+from hotpool.platform.errors import APIError
+
+
+class CountingKeys(KeyStore):
+    """A real KeyStore that counts its lookups and can hold them until released."""
+
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
+        self.lookups = 0
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail = False
+
+    def authenticate(self, key: str) -> ApiKeyRecord | None:
+        self.lookups += 1
+        assert self.gate.wait(10), "the test never released the lookup"
+        if self.fail:
+            raise RuntimeError("database is down")
+        return super().authenticate(key)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[tuple[CountingKeys, str, int]]:
+    db = Database(f"sqlite:///{tmp_path / 'ledger.db'}")
+    db.upgrade()
+    tenant = TenantStore(db).create("alpha")
+    keys = CountingKeys(db)
+    record, plaintext = keys.create(tenant.id, parse_scopes("invoke"))
+    try:
+        yield keys, plaintext, record.id
+    finally:
+        db.dispose()
+
+
+def _request(key: str) -> Request:
+    return Request({"type": "http", "headers": [(b"authorization", f"Bearer {key}".encode())]})
+
+
+async def _until(condition: object, what: str) -> None:
+    for _ in range(500):
+        if callable(condition) and condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_burst_on_a_cold_cache_sends_one_lookup(store: tuple[CountingKeys, str, int]) -> None:
+    keys, plaintext, _ = store
+    auth = Authenticator(keys, enabled=True, clock=Clock())
+
+    async def burst() -> list[int]:
+        found = await asyncio.gather(*(auth.principal(_request(plaintext)) for _ in range(32)))
+        return [p.tenant_id for p in found]
+
+    tenants = asyncio.run(burst())
+    assert len(set(tenants)) == 1 and len(tenants) == 32
+    assert keys.lookups == 1
+
+
+def test_a_key_in_use_is_rechecked_in_the_background(
+    store: tuple[CountingKeys, str, int],
+) -> None:
+    keys, plaintext, _ = store
+    clock = Clock()
+    auth = Authenticator(keys, enabled=True, clock=clock)
+
+    async def run() -> None:
+        await auth.principal(_request(plaintext))
+        assert keys.lookups == 1
+        clock.now += KEY_REFRESH_S / 2  # fresh: no lookup at all
+        await auth.principal(_request(plaintext))
+        assert keys.lookups == 1
+        # Past the refresh age the request is answered from the cache while one lookup
+        # (held here) runs behind it; more requests meanwhile start no second one.
+        keys.gate.clear()
+        clock.now += KEY_REFRESH_S
+        for _ in range(5):
+            await asyncio.wait_for(auth.principal(_request(plaintext)), 1.0)
+        await _until(lambda: keys.lookups == 2, "the background lookup")
+        keys.gate.set()
+        await _until(lambda: not auth._lookups, "the background lookup to finish")
+        # The refreshed check counts from when its lookup started: past the first check's
+        # expiry nobody waits and nothing is looked up again.
+        clock.now += KEY_CACHE_S - KEY_REFRESH_S - 0.1
+        await auth.principal(_request(plaintext))
+        assert keys.lookups == 2
+
+    asyncio.run(run())
+
+
+def test_a_key_revoked_elsewhere_fails_within_the_cache_time(
+    store: tuple[CountingKeys, str, int],
+) -> None:
+    keys, plaintext, key_id = store
+    clock = Clock()
+    auth = Authenticator(keys, enabled=True, clock=clock)
+
+    async def run() -> None:
+        await auth.principal(_request(plaintext))
+        KeyStore(keys.db).revoke(key_id)  # the CLI, or another control plane
+        clock.now += KEY_CACHE_S + 0.01  # idle meanwhile: no refresh ran
+        with pytest.raises(APIError) as err:
+            await auth.principal(_request(plaintext))
+        assert err.value.status == 401
+
+    asyncio.run(run())
+
+
+def test_a_refresh_that_finds_the_key_revoked_ends_it_at_once(
+    store: tuple[CountingKeys, str, int],
+) -> None:
+    keys, plaintext, key_id = store
+    clock = Clock()
+    auth = Authenticator(keys, enabled=True, clock=clock)
+
+    async def run() -> None:
+        await auth.principal(_request(plaintext))
+        KeyStore(keys.db).revoke(key_id)
+        clock.now += KEY_REFRESH_S + 0.01
+        await auth.principal(_request(plaintext))  # the cached check is still young enough
+        await _until(lambda: not auth._lookups and keys.lookups == 2, "the refresh")
+        with pytest.raises(APIError) as err:
+            await auth.principal(_request(plaintext))
+        assert err.value.status == 401
+
+    asyncio.run(run())
+
+
+def test_a_lookup_in_flight_at_a_revocation_is_not_cached(
+    store: tuple[CountingKeys, str, int],
+) -> None:
+    keys, plaintext, key_id = store
+    auth = Authenticator(keys, enabled=True, clock=Clock())
+
+    async def run() -> None:
+        keys.gate.clear()
+        first = asyncio.ensure_future(auth.principal(_request(plaintext)))
+        await _until(lambda: keys.lookups == 1, "the lookup")
+        # It has read nothing yet, but a slower database could have read the key as
+        # active before the revocation below committed: its answer must not be cached.
+        auth.forget(key_id)
+        keys.gate.set()
+        await first
+        KeyStore(keys.db).revoke(key_id)
+        with pytest.raises(APIError):
+            await auth.principal(_request(plaintext))
+        assert keys.lookups == 2
+
+    asyncio.run(run())
+
+
+def test_a_caller_that_gives_up_does_not_cancel_the_others_lookup(
+    store: tuple[CountingKeys, str, int],
+) -> None:
+    keys, plaintext, _ = store
+    auth = Authenticator(keys, enabled=True, clock=Clock())
+
+    async def run() -> int:
+        keys.gate.clear()
+        leaving = asyncio.ensure_future(auth.principal(_request(plaintext)))
+        staying = asyncio.ensure_future(auth.principal(_request(plaintext)))
+        await _until(lambda: keys.lookups == 1, "the lookup")
+        leaving.cancel()
+        await asyncio.sleep(0.02)
+        keys.gate.set()
+        return (await asyncio.wait_for(staying, 5)).tenant_id
+
+    assert asyncio.run(run()) > 0
+    assert keys.lookups == 1
+
+
+def test_a_failed_refresh_keeps_the_check_until_it_expires(
+    store: tuple[CountingKeys, str, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    keys, plaintext, _ = store
+    clock = Clock()
+    auth = Authenticator(keys, enabled=True, clock=clock)
+
+    async def run() -> None:
+        await auth.principal(_request(plaintext))
+        keys.fail = True
+        clock.now += KEY_REFRESH_S + 0.01
+        await auth.principal(_request(plaintext))
+        await _until(lambda: not auth._lookups, "the refresh")
+        assert "could not check an API key" in caplog.text
+        await auth.principal(_request(plaintext))  # still within KEY_CACHE_S
+        clock.now += KEY_CACHE_S
+        with pytest.raises(RuntimeError, match="database is down"):
+            await auth.principal(_request(plaintext))
+
+    asyncio.run(run())
