@@ -137,7 +137,8 @@ class Authenticator:
             try:
                 key = await asyncio.to_thread(self.keys.authenticate, token)
             finally:
-                del self._lookups[digest]
+                if self._lookups.get(digest) is task:  # not if forget() let a new one start
+                    del self._lookups[digest]
             if key is None:
                 self._cache.pop(digest, None)
             elif epoch == self._epoch:
@@ -157,6 +158,9 @@ class Authenticator:
         """Drop a revoked key from the cache: it fails from the next request on."""
         self._epoch += 1
         self._cache = {d: v for d, v in self._cache.items() if v.key.id != key_id}
+        # A lookup in flight may have read the key before the revocation committed: the
+        # requests waiting on it take its answer, but later ones start a lookup of their own.
+        self._lookups.clear()
 
     def _touch(self, key: ApiKeyRecord) -> None:
         now = time.monotonic()

@@ -26,11 +26,13 @@ class CountingKeys(KeyStore):
         self.lookups = 0
         self.gate = threading.Event()
         self.gate.set()
+        self.held: set[int] | None = None  # which lookups (1, 2, ...) the gate holds; all
         self.fail = False
 
     def authenticate(self, key: str) -> ApiKeyRecord | None:
         self.lookups += 1
-        assert self.gate.wait(10), "the test never released the lookup"
+        if self.held is None or self.lookups in self.held:
+            assert self.gate.wait(10), "the test never released the lookup"
         if self.fail:
             raise RuntimeError("database is down")
         return super().authenticate(key)
@@ -170,6 +172,36 @@ def test_a_lookup_in_flight_at_a_revocation_is_not_cached(
         with pytest.raises(APIError):
             await auth.principal(_request(plaintext))
         assert keys.lookups == 2
+
+    asyncio.run(run())
+
+
+def test_a_revocation_through_the_api_does_not_wait_for_a_lookup_in_flight(
+    store: tuple[CountingKeys, str, int],
+) -> None:
+    keys, plaintext, key_id = store
+    clock = Clock()
+    auth = Authenticator(keys, enabled=True, clock=clock)
+
+    async def run() -> None:
+        await auth.principal(_request(plaintext))
+        # A background re-check starts and is held before it reads anything...
+        keys.gate.clear()
+        keys.held = {2}
+        clock.now += KEY_REFRESH_S + 0.01
+        await auth.principal(_request(plaintext))
+        await _until(lambda: keys.lookups == 2, "the background lookup")
+        # ...the key is revoked through the API meanwhile: the next request must not
+        # share the held lookup (which may have read the key as active) but ask again.
+        KeyStore(keys.db).revoke(key_id)
+        auth.forget(key_id)
+        with pytest.raises(APIError) as err:
+            await asyncio.wait_for(auth.principal(_request(plaintext)), 5)
+        assert err.value.status == 401 and keys.lookups == 3
+        keys.gate.set()
+        await _until(lambda: not auth._lookups, "the held lookup")
+        with pytest.raises(APIError):  # and the held lookup's late answer is not cached
+            await auth.principal(_request(plaintext))
 
     asyncio.run(run())
 
