@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -46,15 +47,32 @@ class Clock:
         return self.now
 
 
+@dataclass
+class World:
+    keys: CountingKeys
+    key: str  # the plaintext key
+    key_id: int
+    clock: Clock
+    auth: Authenticator
+
+    async def ask(self) -> int:
+        """A request with the key: its tenant, or APIError."""
+        return (await self.auth.principal(_request(self.key))).tenant_id
+
+    def revoke(self) -> None:
+        KeyStore(self.keys.db).revoke(self.key_id)
+
+
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[tuple[CountingKeys, str, int]]:
+def w(tmp_path: Path) -> Iterator[World]:
     db = Database(f"sqlite:///{tmp_path / 'ledger.db'}")
     db.upgrade()
     tenant = TenantStore(db).create("alpha")
     keys = CountingKeys(db)
     record, plaintext = keys.create(tenant.id, parse_scopes("invoke"))
+    clock = Clock()
     try:
-        yield keys, plaintext, record.id
+        yield World(keys, plaintext, record.id, clock, Authenticator(keys, True, clock=clock))
     finally:
         db.dispose()
 
@@ -71,178 +89,136 @@ async def _until(condition: object, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_burst_on_a_cold_cache_sends_one_lookup(store: tuple[CountingKeys, str, int]) -> None:
-    keys, plaintext, _ = store
-    auth = Authenticator(keys, enabled=True, clock=Clock())
-
+def test_a_burst_on_a_cold_cache_sends_one_lookup(w: World) -> None:
     async def burst() -> list[int]:
-        found = await asyncio.gather(*(auth.principal(_request(plaintext)) for _ in range(32)))
-        return [p.tenant_id for p in found]
+        return await asyncio.gather(*(w.ask() for _ in range(32)))
 
     tenants = asyncio.run(burst())
     assert len(set(tenants)) == 1 and len(tenants) == 32
-    assert keys.lookups == 1
+    assert w.keys.lookups == 1
 
 
-def test_a_key_in_use_is_rechecked_in_the_background(
-    store: tuple[CountingKeys, str, int],
-) -> None:
-    keys, plaintext, _ = store
-    clock = Clock()
-    auth = Authenticator(keys, enabled=True, clock=clock)
-
+def test_a_key_in_use_is_rechecked_in_the_background(w: World) -> None:
     async def run() -> None:
-        await auth.principal(_request(plaintext))
-        assert keys.lookups == 1
-        clock.now += KEY_REFRESH_S / 2  # fresh: no lookup at all
-        await auth.principal(_request(plaintext))
-        assert keys.lookups == 1
+        await w.ask()
+        assert w.keys.lookups == 1
+        w.clock.now += KEY_REFRESH_S / 2  # fresh: no lookup at all
+        await w.ask()
+        assert w.keys.lookups == 1
         # Past the refresh age the request is answered from the cache while one lookup
         # (held here) runs behind it; more requests meanwhile start no second one.
-        keys.gate.clear()
-        clock.now += KEY_REFRESH_S
+        w.keys.gate.clear()
+        w.clock.now += KEY_REFRESH_S
         for _ in range(5):
-            await asyncio.wait_for(auth.principal(_request(plaintext)), 1.0)
-        await _until(lambda: keys.lookups == 2, "the background lookup")
-        keys.gate.set()
-        await _until(lambda: not auth._lookups, "the background lookup to finish")
+            await asyncio.wait_for(w.ask(), 1.0)
+        await _until(lambda: w.keys.lookups == 2, "the background lookup")
+        w.keys.gate.set()
+        await _until(lambda: not w.auth._lookups, "the background lookup to finish")
         # The refreshed check counts from when its lookup started: past the first check's
         # expiry nobody waits and nothing is looked up again.
-        clock.now += KEY_CACHE_S - KEY_REFRESH_S - 0.1
-        await auth.principal(_request(plaintext))
-        assert keys.lookups == 2
+        w.clock.now += KEY_CACHE_S - KEY_REFRESH_S - 0.1
+        await w.ask()
+        assert w.keys.lookups == 2
 
     asyncio.run(run())
 
 
-def test_a_key_revoked_elsewhere_fails_within_the_cache_time(
-    store: tuple[CountingKeys, str, int],
-) -> None:
-    keys, plaintext, key_id = store
-    clock = Clock()
-    auth = Authenticator(keys, enabled=True, clock=clock)
-
+def test_a_key_revoked_elsewhere_fails_within_the_cache_time(w: World) -> None:
     async def run() -> None:
-        await auth.principal(_request(plaintext))
-        KeyStore(keys.db).revoke(key_id)  # the CLI, or another control plane
-        clock.now += KEY_CACHE_S + 0.01  # idle meanwhile: no refresh ran
+        await w.ask()
+        w.revoke()  # the CLI, or another control plane
+        w.clock.now += KEY_CACHE_S + 0.01  # idle meanwhile: no refresh ran
         with pytest.raises(APIError) as err:
-            await auth.principal(_request(plaintext))
+            await w.ask()
         assert err.value.status == 401
 
     asyncio.run(run())
 
 
-def test_a_refresh_that_finds_the_key_revoked_ends_it_at_once(
-    store: tuple[CountingKeys, str, int],
-) -> None:
-    keys, plaintext, key_id = store
-    clock = Clock()
-    auth = Authenticator(keys, enabled=True, clock=clock)
-
+def test_a_refresh_that_finds_the_key_revoked_ends_it_at_once(w: World) -> None:
     async def run() -> None:
-        await auth.principal(_request(plaintext))
-        KeyStore(keys.db).revoke(key_id)
-        clock.now += KEY_REFRESH_S + 0.01
-        await auth.principal(_request(plaintext))  # the cached check is still young enough
-        await _until(lambda: not auth._lookups and keys.lookups == 2, "the refresh")
+        await w.ask()
+        w.revoke()
+        w.clock.now += KEY_REFRESH_S + 0.01
+        await w.ask()  # the cached check is still young enough
+        await _until(lambda: not w.auth._lookups and w.keys.lookups == 2, "the refresh")
         with pytest.raises(APIError) as err:
-            await auth.principal(_request(plaintext))
+            await w.ask()
         assert err.value.status == 401
 
     asyncio.run(run())
 
 
-def test_a_lookup_in_flight_at_a_revocation_is_not_cached(
-    store: tuple[CountingKeys, str, int],
-) -> None:
-    keys, plaintext, key_id = store
-    auth = Authenticator(keys, enabled=True, clock=Clock())
-
+def test_a_lookup_in_flight_at_a_revocation_is_not_cached(w: World) -> None:
     async def run() -> None:
-        keys.gate.clear()
-        first = asyncio.ensure_future(auth.principal(_request(plaintext)))
-        await _until(lambda: keys.lookups == 1, "the lookup")
+        w.keys.gate.clear()
+        first = asyncio.ensure_future(w.ask())
+        await _until(lambda: w.keys.lookups == 1, "the lookup")
         # It has read nothing yet, but a slower database could have read the key as
         # active before the revocation below committed: its answer must not be cached.
-        auth.forget(key_id)
-        keys.gate.set()
+        w.auth.forget(w.key_id)
+        w.keys.gate.set()
         await first
-        KeyStore(keys.db).revoke(key_id)
+        w.revoke()
         with pytest.raises(APIError):
-            await auth.principal(_request(plaintext))
-        assert keys.lookups == 2
+            await w.ask()
+        assert w.keys.lookups == 2
 
     asyncio.run(run())
 
 
-def test_a_revocation_through_the_api_does_not_wait_for_a_lookup_in_flight(
-    store: tuple[CountingKeys, str, int],
-) -> None:
-    keys, plaintext, key_id = store
-    clock = Clock()
-    auth = Authenticator(keys, enabled=True, clock=clock)
-
+def test_a_revocation_through_the_api_does_not_wait_for_a_lookup_in_flight(w: World) -> None:
     async def run() -> None:
-        await auth.principal(_request(plaintext))
+        await w.ask()
         # A background re-check starts and is held before it reads anything...
-        keys.gate.clear()
-        keys.held = {2}
-        clock.now += KEY_REFRESH_S + 0.01
-        await auth.principal(_request(plaintext))
-        await _until(lambda: keys.lookups == 2, "the background lookup")
+        w.keys.gate.clear()
+        w.keys.held = {2}
+        w.clock.now += KEY_REFRESH_S + 0.01
+        await w.ask()
+        await _until(lambda: w.keys.lookups == 2, "the background lookup")
         # ...the key is revoked through the API meanwhile: the next request must not
         # share the held lookup (which may have read the key as active) but ask again.
-        KeyStore(keys.db).revoke(key_id)
-        auth.forget(key_id)
+        w.revoke()
+        w.auth.forget(w.key_id)
         with pytest.raises(APIError) as err:
-            await asyncio.wait_for(auth.principal(_request(plaintext)), 5)
-        assert err.value.status == 401 and keys.lookups == 3
-        keys.gate.set()
-        await _until(lambda: not auth._lookups, "the held lookup")
+            await asyncio.wait_for(w.ask(), 5)
+        assert err.value.status == 401 and w.keys.lookups == 3
+        w.keys.gate.set()
+        await _until(lambda: not w.auth._lookups, "the held lookup")
         with pytest.raises(APIError):  # and the held lookup's late answer is not cached
-            await auth.principal(_request(plaintext))
+            await w.ask()
 
     asyncio.run(run())
 
 
-def test_a_caller_that_gives_up_does_not_cancel_the_others_lookup(
-    store: tuple[CountingKeys, str, int],
-) -> None:
-    keys, plaintext, _ = store
-    auth = Authenticator(keys, enabled=True, clock=Clock())
-
+def test_a_caller_that_gives_up_does_not_cancel_the_others_lookup(w: World) -> None:
     async def run() -> int:
-        keys.gate.clear()
-        leaving = asyncio.ensure_future(auth.principal(_request(plaintext)))
-        staying = asyncio.ensure_future(auth.principal(_request(plaintext)))
-        await _until(lambda: keys.lookups == 1, "the lookup")
+        w.keys.gate.clear()
+        leaving = asyncio.ensure_future(w.ask())
+        staying = asyncio.ensure_future(w.ask())
+        await _until(lambda: w.keys.lookups == 1, "the lookup")
         leaving.cancel()
         await asyncio.sleep(0.02)
-        keys.gate.set()
-        return (await asyncio.wait_for(staying, 5)).tenant_id
+        w.keys.gate.set()
+        return await asyncio.wait_for(staying, 5)
 
     assert asyncio.run(run()) > 0
-    assert keys.lookups == 1
+    assert w.keys.lookups == 1
 
 
 def test_a_failed_refresh_keeps_the_check_until_it_expires(
-    store: tuple[CountingKeys, str, int], caplog: pytest.LogCaptureFixture
+    w: World, caplog: pytest.LogCaptureFixture
 ) -> None:
-    keys, plaintext, _ = store
-    clock = Clock()
-    auth = Authenticator(keys, enabled=True, clock=clock)
-
     async def run() -> None:
-        await auth.principal(_request(plaintext))
-        keys.fail = True
-        clock.now += KEY_REFRESH_S + 0.01
-        await auth.principal(_request(plaintext))
-        await _until(lambda: not auth._lookups, "the refresh")
+        await w.ask()
+        w.keys.fail = True
+        w.clock.now += KEY_REFRESH_S + 0.01
+        await w.ask()
+        await _until(lambda: not w.auth._lookups, "the refresh")
         assert "could not check an API key" in caplog.text
-        await auth.principal(_request(plaintext))  # still within KEY_CACHE_S
-        clock.now += KEY_CACHE_S
+        await w.ask()  # still within KEY_CACHE_S
+        w.clock.now += KEY_CACHE_S
         with pytest.raises(RuntimeError, match="database is down"):
-            await auth.principal(_request(plaintext))
+            await w.ask()
 
     asyncio.run(run())
