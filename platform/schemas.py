@@ -23,6 +23,11 @@ MAX_STOP = 4
 MAX_USER = 256  # characters of the `user` end-user id, as OpenAI allows
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' `logprobs`, as OpenAI allows
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1  # int64, as OpenAI; torch takes no wider seed
+MAX_NAME = 256  # characters of a message's `name`
+# What OpenAI's own assistant messages carry besides role and content: a client that sends
+# a response's message back (``message.model_dump()``) sends them, null or empty. Null or
+# empty they say nothing and pass; with a value they are refused like any other field.
+_EMPTY_MESSAGE_FIELDS = {"refusal", "annotations", "audio", "function_call", "tool_calls"}
 
 _SAMPLING = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
@@ -32,6 +37,14 @@ _SAMPLING = {
 CHAT_FIELDS = _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                            "tool_choice", "parallel_tool_calls", "response_format"}  # fmt: skip
 COMPLETION_FIELDS = _SAMPLING | {"prompt", "echo", "suffix", "best_of"}
+# OpenAI's other chat parameters, which hotpool does not support: refused with a value, but
+# passed when null (SDKs built on the openai client send optional fields as null, and null
+# asks for nothing). A field OpenAI does not know is refused even when null: likely a typo.
+CHAT_NULLABLE = frozenset({
+    "store", "metadata", "modalities", "audio", "prediction", "service_tier",
+    "reasoning_effort", "functions", "function_call", "web_search_options", "verbosity",
+    "safety_identifier", "prompt_cache_key",
+})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -50,7 +63,7 @@ class CompletionCall:
 
 
 def parse_chat(body: Any) -> CompletionCall:
-    b = Body(body, CHAT_FIELDS)
+    b = Body(body, CHAT_FIELDS, CHAT_NULLABLE)
     messages = parse_messages(b)
     # Both are validated: a bad `max_tokens` beside a good `max_completion_tokens` is still
     # a mistake to report, and two different limits leave no way to know which was meant.
@@ -62,6 +75,7 @@ def parse_chat(body: Any) -> CompletionCall:
             "max_tokens",
         )
     max_tokens = new if new is not None else old
+    b.opt("tools", list, None)  # the wrong type is a type error, not "unsupported"
     b.unsupported_unless("tools", lambda v: not v)
     b.unsupported_unless("tool_choice", lambda v: v in (None, "none"))
     b.unsupported_unless("parallel_tool_calls", lambda v: v is None)
@@ -129,6 +143,7 @@ def _call(
         include_usage = options.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise invalid("`stream_options.include_usage` must be a boolean", "stream_options")
+    b.opt("logit_bias", dict, None)
     b.unsupported_unless("logit_bias", lambda v: not v)
     user = b.opt("user", str, None)
     if user is not None and len(user) > MAX_USER:
@@ -194,7 +209,12 @@ def _message(raw: Any, i: int) -> ChatMessage:
     param = f"messages[{i}]"
     if not isinstance(raw, dict):
         raise invalid(f"`{param}` must be an object with `role` and `content`", param)
-    unknown = set(raw) - {"role", "content", "name"}
+    unknown = {
+        k
+        for k, v in raw.items()
+        if k not in ("role", "content", "name")
+        and not (k in _EMPTY_MESSAGE_FIELDS and (v is None or v == []))
+    }
     if unknown:
         raise invalid(f"`{param}` has unsupported fields: {', '.join(sorted(unknown))}", param)
     role = raw.get("role")
@@ -214,16 +234,26 @@ def _message(raw: Any, i: int) -> ChatMessage:
         content = "".join(texts)
     if not isinstance(content, str):
         raise invalid(f"`{param}.content` must be a string", f"{param}.content")
-    return ChatMessage(role="system" if role == "developer" else role, content=content)
+    name = raw.get("name")
+    if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME):
+        raise invalid(
+            f"`{param}.name` must be a string of 1 to {MAX_NAME} characters", f"{param}.name"
+        )
+    return ChatMessage(role="system" if role == "developer" else role, content=content, name=name)
 
 
 class Body:
     """A JSON object being validated: typed getters that raise a 400 naming the field."""
 
-    def __init__(self, body: Any, allowed: set[str]) -> None:
+    def __init__(
+        self, body: Any, allowed: set[str], nullable: frozenset[str] = frozenset()
+    ) -> None:
+        """``nullable``: fields refused unless null (then they are as good as absent)."""
         if not isinstance(body, dict):
             raise invalid("the request body must be a JSON object")
-        unknown = sorted(set(body) - allowed)
+        unknown = sorted(
+            k for k, v in body.items() if k not in allowed and (k not in nullable or v is not None)
+        )
         if unknown:
             raise invalid(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
         self.body = body

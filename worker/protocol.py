@@ -26,6 +26,7 @@ MAX_LOGPROBS = 20  # top alternatives per position
 class ChatMessage:
     role: str
     content: str
+    name: str | None = None  # the participant's name, given to the chat template as is
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,7 @@ class GenerateRequest:
             "request_id": self.request_id,
             "params": {name: getattr(self.params, name) for name in _PARAM_FIELDS},
             "prompt": self.prompt,
-            "messages": None
-            if messages is None
-            else [{"role": m.role, "content": m.content} for m in messages],
+            "messages": None if messages is None else [_message_json(m) for m in messages],
         }
 
     @classmethod
@@ -291,3 +290,10 @@ class WorkerInfo:
         if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float)):
             raise TypeError(f"kv_cache_usage must be a number, not {type(usage).__name__}")
         return info
+
+
+def _message_json(m: ChatMessage) -> dict[str, str]:
+    out = {"role": m.role, "content": m.content}
+    if m.name is not None:
+        out["name"] = m.name
+    return out

@@ -175,10 +175,10 @@ class WorkerService:
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None
         tok = loaded.tokenizer
-        text = (
-            tok.apply_chat_template(req.messages) if req.messages is not None else req.prompt or ""
-        )
-        ids = tuple(tok.encode(text))
+        if req.messages is not None:
+            ids = tuple(tok.encode_chat(req.messages))
+        else:
+            ids = tuple(tok.encode(req.prompt or ""))
         return loaded, engine_requests(req.request_id, ids, req.params, tok.eos_token_ids)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateEvent]:

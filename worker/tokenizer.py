@@ -34,8 +34,16 @@ class TextTokenizer:
         decoder_json = decoder.__getstate__().decode() if decoder is not None else ""
         self._byte_level = '"ByteLevel"' in decoder_json
         self._byte_fallback = '"ByteFallback"' in decoder_json
-        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        added = self._tok.get_added_tokens_decoder()
+        self._added = {i: t.content for i, t in added.items()}
         self._pieces: dict[int, tuple[str, tuple[int, ...]]] = {}
+        # Special tokens' texts, longest first (so "<|im_end|>" is not read as a shorter one
+        # it starts with), and a copy of the tokenizer that reads them as plain text.
+        specials = sorted({t.content for t in added.values() if t.special}, key=len, reverse=True)
+        self._special_ids = {t: self._tok.token_to_id(t) for t in specials}
+        self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._literal = Tokenizer.from_str(self._tok.to_str())
+        self._literal.encode_special_tokens = True
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -47,11 +55,63 @@ class TextTokenizer:
         return self._template is not None
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return self._with_bos(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
         bos = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         if self.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
         return ids
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """A chat's prompt: the template rendered and tokenized, where special tokens come
+        from the template only.
+
+        A message whose text spells a special token (``<|im_end|>``) gets that text's plain
+        tokens, as OpenAI treats message content as text: read as the token, it would end the
+        user's turn and let the user write the assistant's or the system's (role spoofing).
+        Text between the template's own special tokens is tokenized as one piece, so a chat
+        without such text gets exactly ``encode(apply_chat_template(messages))``."""
+        found = self._specials
+        if found is None or not any(
+            found.search(m.content) or (m.name and found.search(m.name)) for m in messages
+        ):
+            return self.encode(self.apply_chat_template(messages))
+        # The messages' special texts become lone surrogates, which no text holds (the
+        # control plane refuses them; a tokenizer cannot encode them), so that after
+        # rendering they can be told from the template's own special tokens.
+        marks: dict[str, str] = {}
+
+        def mark(match: re.Match[str]) -> str:
+            if len(marks) == _MARKS and match.group() not in marks:
+                raise TemplateError("too many different special tokens in the messages")
+            return marks.setdefault(match.group(), chr(_FIRST_MARK + len(marks)))
+
+        escaped = [
+            ChatMessage(
+                m.role,
+                found.sub(mark, m.content),
+                None if m.name is None else found.sub(mark, m.name),
+            )
+            for m in messages
+        ]
+        rendered = self.apply_chat_template(escaped)
+        unmark = {c: t for t, c in marks.items()}
+        ids: list[int] = []
+        at = 0
+        for special in found.finditer(rendered):  # the template's own special tokens
+            ids += self._plain(rendered[at : special.start()], unmark)
+            ids.append(self._special_ids[special.group()])
+            at = special.end()
+        ids += self._plain(rendered[at:], unmark)
+        return self._with_bos(ids)
+
+    def _plain(self, text: str, unmark: dict[str, str]) -> list[int]:
+        """``text`` with the messages' special texts put back, tokenized as plain text."""
+        if not text:
+            return []
+        restored = "".join(unmark.get(c, c) for c in text)
+        return list(self._literal.encode(restored, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
@@ -89,13 +149,25 @@ class TextTokenizer:
             raise TemplateError("this model has no chat template; use /v1/completions")
         try:
             return self._template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=[_template_message(m) for m in messages],
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
         except Exception as exc:
             raise TemplateError(f"chat template failed: {exc}") from exc
+
+
+_FIRST_MARK, _MARKS = 0xD800, 2048  # the surrogates: Llama 3 has 256 special tokens
+
+
+def _template_message(m: ChatMessage) -> dict[str, str]:
+    # `name` only when given: templates test `'name' in message` (or `message.name is
+    # defined`), as HF's apply_chat_template passes the OpenAI message dict through.
+    out = {"role": m.role, "content": m.content}
+    if m.name is not None:
+        out["name"] = m.name
+    return out
 
 
 def _byte_symbols() -> dict[str, int]:

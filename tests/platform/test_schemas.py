@@ -60,7 +60,7 @@ def test_full_chat_body_is_carried_through() -> None:
     assert call.messages == (
         ChatMessage(role="system", content="be brief"),  # developer is the system role
         ChatMessage(role="user", content="ab"),
-        ChatMessage(role="assistant", content="ok"),
+        ChatMessage(role="assistant", content="ok", name="bot"),  # passed to the template
     )
     p = call.params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0.0, 0.5, 40, 3)
@@ -136,7 +136,16 @@ def _rejects(parse: Any, body: Any, param: str | None, text: str = "") -> APIErr
             },
             "messages[0].content",
         ),
-        ({**CHAT, "messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0]"),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "c"}]}]},
+            "messages[0]",
+        ),
+        ({**CHAT, "messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name"),
+        ({**CHAT, "messages": [{"role": "user", "content": "x", "name": ""}]}, "messages[0].name"),
+        ({**CHAT, "tools": {}}, "tools"),
+        ({**CHAT, "logit_bias": []}, "logit_bias"),
+        ({**CHAT, "store": True}, "store"),
+        ({**CHAT, "temprature": None}, "temprature"),  # not an OpenAI field: a typo, even null
         ({**CHAT, "temperature": True}, "temperature"),
         ({**CHAT, "temperature": "0.5"}, "temperature"),
         ({**CHAT, "temperature": -0.1}, "temperature"),
@@ -186,6 +195,28 @@ def test_unknown_field_is_rejected_like_openai() -> None:
 def test_unsupported_parameters_say_so() -> None:
     err = _rejects(parse_chat, {**CHAT, "logit_bias": {"1": 5}}, "logit_bias", "not supported")
     assert err.code == "unsupported_parameter"
+
+
+def test_wrong_types_of_unsupported_parameters_are_type_errors() -> None:
+    for field, value in (("tools", {}), ("logit_bias", [])):
+        err = _rejects(parse_chat, {**CHAT, field: value}, field, "wrong type")
+        assert err.code is None  # not "unsupported_parameter": the value is malformed
+
+
+def test_a_response_message_sent_back_as_openai_dumps_it_is_accepted() -> None:
+    """``response.choices[0].message.model_dump()`` carries OpenAI's other message fields as
+    null (or empty), and SDKs send OpenAI's optional parameters as null: nothing is asked."""
+    dumped = {
+        "role": "assistant", "content": "Paris.", "refusal": None, "annotations": [],
+        "audio": None, "function_call": None, "tool_calls": None,
+    }  # fmt: skip
+    body = {
+        **CHAT,
+        "messages": [{"role": "user", "content": "Capital?"}, dumped],
+        "store": None, "metadata": None, "service_tier": None, "reasoning_effort": None,
+    }  # fmt: skip
+    call = parse_chat(body)
+    assert call.messages is not None and call.messages[1] == ChatMessage("assistant", "Paris.")
 
 
 def test_penalties_and_vllm_extensions_reach_the_engine() -> None:

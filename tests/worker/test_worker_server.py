@@ -104,6 +104,17 @@ def test_bad_requests_are_400s_before_any_token(worker: TestClient) -> None:
     assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]
 
 
+def test_a_message_spelling_a_special_token_is_prompted_as_text(worker: TestClient) -> None:
+    def prompt_tokens(content: str) -> int:
+        body = {"request_id": f"sp-{len(content)}", "params": {"max_tokens": 1},
+                "messages": [{"role": "user", "content": content}]}  # fmt: skip
+        return int(_events(worker, body)[-1]["usage"]["prompt_tokens"])
+
+    # One token ("x") against the seven of "<|im_end|>" spelled out ('<', '|', 'im', ...):
+    # read as the special token, it was one, and closed the user's turn.
+    assert prompt_tokens("<|im_end|>") == prompt_tokens("x") + 6
+
+
 def test_metrics_show_the_engine(worker: TestClient) -> None:
     _events(worker, {"request_id": "m1", "prompt": "One two three", "params": {"max_tokens": 3}})
     _events(worker, {"request_id": "m2", "prompt": "One two three", "params": {"max_tokens": 3}})
