@@ -66,7 +66,7 @@ class Choices:
         self.num_prompt = len(requests[0].prompt_token_ids)
         self.want_logprobs = requests[0].params.logprobs is not None
         self._by_id = {
-            r.request_id: _Choice(i, IncrementalDetokenizer(tokenizer, stop))
+            r.request_id: _Choice(i, IncrementalDetokenizer(tokenizer, stop, r.params.min_tokens))
             for i, r in enumerate(requests)
         }
 

@@ -26,9 +26,17 @@ class IncrementalDetokenizer:
     character or any part of a stop string that matched.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self, tokenizer: TextTokenizer, stop: Sequence[str] = (), min_tokens: int = 0
+    ) -> None:
         self._tok = tokenizer
         self._stop = tuple(s for s in stop if s)
+        # As vLLM's stop checker: no stop string ends the text before the min_tokens-th token.
+        # A match counts once it ends past the text of the first min_tokens - 1 tokens (known
+        # when the min_tokens-th arrives; a match may start before it).
+        self._min_tokens = min_tokens
+        self._floor: int | None = None if min_tokens > 1 and self._stop else 0
+        self._released = 0  # characters released so far
         # A stop string may begin in the last len-1 characters: hold those until it can't.
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = []
@@ -59,6 +67,9 @@ class IncrementalDetokenizer:
         else:
             self._partial += new
         self._pending += new
+        if self._floor is None and len(self._ids) >= self._min_tokens:
+            before = self._tok.decode(self._ids[: self._min_tokens - 1])
+            self._floor = len(before.rstrip(_REPLACEMENT))
         return self._release_final()
 
     def flush(self) -> str:
@@ -69,17 +80,26 @@ class IncrementalDetokenizer:
         # A match cannot start earlier than the held tail (it would have been seen on an
         # earlier push), so only the tail and the pending text are searched; the earliest
         # match wins, whatever the order of the stop strings.
+        if self._floor is None:  # fewer than min_tokens tokens: nothing can stop yet
+            return self._take(len(self._pending) - self._hold)
         window = self._sent_tail + self._pending
-        hits = [at for s in self._stop if (at := window.find(s)) != -1]
+        floor = self._floor - (self._released - len(self._sent_tail))  # in the window
+        hits = [
+            at
+            for s in self._stop
+            if (at := window.find(s, max(0, floor - len(s) + 1))) != -1  # ends past the floor
+        ]
         if hits:
             self.stopped = True
             out = self._pending[: max(0, min(hits) - len(self._sent_tail))]
             self._pending = ""
+            self._released += len(out)
             return out
         return self._take(len(self._pending) - self._hold)
 
     def _take(self, n: int) -> str:
         out, self._pending = self._pending[: max(0, n)], self._pending[max(0, n) :]
+        self._released += len(out)
         if self._hold:
             self._sent_tail = (self._sent_tail + out)[-self._hold :]
         return out

@@ -295,3 +295,41 @@ def test_end_of_turn_token_is_eos_and_not_decoded(tok: TextTokenizer) -> None:
     ids = [*tok.encode("Done."), eos]
     pieces, _ = stream(tok, ids)
     assert "".join(pieces) == "Done."
+
+
+def _until_min(tok: TextTokenizer, ids: list[int], stop: list[str], min_tokens: int) -> str:
+    detok = IncrementalDetokenizer(tok, stop, min_tokens)
+    out = ""
+    for i in ids:
+        out += detok.push([i])
+        if detok.stopped:
+            return out
+    return out + detok.flush()
+
+
+def _reference_cut(tok: TextTokenizer, ids: list[int], stop: list[str], min_tokens: int) -> str:
+    """vLLM's rule, token by token on the whole text: after each token from the
+    min_tokens-th on, the earliest stop string that ends in that token's text cuts there."""
+    for n in range(max(1, min_tokens), len(ids) + 1):
+        before, text = tok.decode(ids[: n - 1]), tok.decode(ids[:n])
+        cuts = [
+            at
+            for s in stop
+            if (at := text.find(s, max(0, len(before) - len(s) + 1))) != -1
+            and at + len(s) > len(before)
+        ]
+        if cuts:
+            return text[: min(cuts)]
+    return tok.decode(ids)
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 2, 3, 5, 8, 40])
+def test_min_tokens_hold_stop_strings_off_until_then(tok: TextTokenizer, min_tokens: int) -> None:
+    """A stop string that ends within the first min_tokens - 1 tokens does not stop the
+    text; one that ends in a later token (even if it began earlier) does."""
+    ids = tok.encode("Here is a list. Here is a list of fruits: apple, pear. Here is more.")
+    for stop in (["is"], [" is a"], ["Here", "list"], ["fruits: apple"], ["zzz"]):
+        want = _reference_cut(tok, ids, stop, min_tokens)
+        assert _until_min(tok, ids, stop, min_tokens) == want, (stop, min_tokens)
+    assert _until_min(tok, ids, ["is"], 0) == "Here "
+    assert _until_min(tok, ids, ["is"], 5).startswith("Here is a list. Here ")

@@ -250,6 +250,11 @@ def test_requests_that_can_never_fit_are_rejected_before_any_kv() -> None:
         engine.add_request(_req("big", list(range(1, 60)), max_tokens=10))
     with pytest.raises(RequestRejected, match="top_p"):
         engine.add_request(_req("bad", [1, 2], top_p=0.0))
+    # Without max_tokens, min_tokens binds: past the context it would run to its end.
+    with pytest.raises(RequestRejected, match=r"asks for at least 300 more \(min_tokens\)"):
+        engine.add_request(_req("least", [1, 2], max_tokens=None, min_tokens=300))
+    with pytest.raises(RequestRejected, match="asks for 1 more"):
+        engine.add_request(_req("full", list(range(1, 257)), max_tokens=None))
     assert not engine.has_unfinished() and engine.kv_manager.num_free_blocks == 4
 
 

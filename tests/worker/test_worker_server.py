@@ -115,6 +115,22 @@ def test_a_message_spelling_a_special_token_is_prompted_as_text(worker: TestClie
     assert prompt_tokens("<|im_end|>") == prompt_tokens("x") + 6
 
 
+def test_min_tokens_hold_off_stop_strings(worker: TestClient) -> None:
+    def run(min_tokens: int) -> tuple[str, int]:
+        body = {"request_id": f"mt-{min_tokens}",
+                "messages": [{"role": "user", "content": "Write a list of fruits."}],
+                "params": {"max_tokens": 10, "temperature": 0.0, "stop": [" is", " list"],
+                           "min_tokens": min_tokens}}  # fmt: skip
+        events = _events(worker, body)
+        usage = events[-1]["usage"]
+        return "".join(str(e["text"]) for e in events), int(usage["completion_tokens"])
+
+    early, n_early = run(0)
+    late, n_late = run(5)
+    assert n_late >= 5 > n_early  # the stop string would have cut it before its fifth token
+    assert late.startswith(early) and len(late) > len(early)
+
+
 def test_metrics_show_the_engine(worker: TestClient) -> None:
     _events(worker, {"request_id": "m1", "prompt": "One two three", "params": {"max_tokens": 3}})
     _events(worker, {"request_id": "m2", "prompt": "One two three", "params": {"max_tokens": 3}})

@@ -108,10 +108,16 @@ class LLMEngine(Engine):
         if n == 0:
             raise RequestRejected("the prompt is empty")
         want = request.params.max_tokens
-        if n + (want or 1) > self.max_model_len:
+        least = request.params.min_tokens  # <= max_tokens (validated): it binds without one
+        if n + max(want or 1, least) > self.max_model_len:
+            asks = (
+                f"{want} more"
+                if want
+                else (f"at least {least} more (min_tokens)" if least > 1 else "1 more")
+            )
             raise RequestRejected(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                f"has {n} prompt tokens and asks for {want or 1} more",
+                f"has {n} prompt tokens and asks for {asks}",
                 CONTEXT_LENGTH_EXCEEDED,
             )
         max_new = want or self.max_model_len - n
