@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from hotpool.worker.detokenizer import IncrementalDetokenizer
 from hotpool.worker.engine.base import EngineRequest, RequestOutput, SampledToken
@@ -53,6 +53,12 @@ class _Choice:
     num_tokens: int = 0
     num_cached: int | None = None  # prompt tokens this sequence found in the prefix cache
     done: bool = False
+    # Tokens whose text is still held back (it may begin a stop string), each with the end
+    # of its text and its logprobs: a token goes out with its text, as OpenAI's chunks pair
+    # a delta's content with its tokens' logprobs.
+    held: list[tuple[int, int, PositionLogprobs | None]] = field(default_factory=list)
+    unsent: str = ""  # text the detokenizer released that waits for the rest of its token
+    sent_chars: int = 0
 
 
 class Choices:
@@ -98,21 +104,50 @@ class Choices:
                 c.detok.flush(), (), "error", self.usage(), out.error, index=c.index
             )
         c.num_tokens += len(out.new_token_ids)
-        text = c.detok.push(out.new_token_ids)
+        c.unsent += c.detok.push(out.new_token_ids)
         reason = "stop" if c.detok.stopped else out.finish_reason
-        logprobs = self._logprobs(out.logprobs) if self.want_logprobs else ()
+        if reason is not None:
+            c.unsent += c.detok.flush()
+        text, token_ids, logprobs = self._release(c, out, last=reason is not None)
         if reason is not None:
             c.done = True
-            text += c.detok.flush()
             return GenerateEvent(
-                text, out.new_token_ids, reason, self.usage(), index=c.index, logprobs=logprobs
+                text, token_ids, reason, self.usage(), index=c.index, logprobs=logprobs
             )
         if not (text or out.new_token_ids):
             return None
-        # Running usage on every event: whoever cuts the stream knows what it cost.
-        return GenerateEvent(
-            text, out.new_token_ids, usage=self.usage(), index=c.index, logprobs=logprobs
+        # Running usage on every event (held tokens counted): whoever cuts the stream knows
+        # what it cost.
+        return GenerateEvent(text, token_ids, usage=self.usage(), index=c.index, logprobs=logprobs)
+
+    def _release(
+        self, c: _Choice, out: RequestOutput, last: bool
+    ) -> tuple[str, tuple[int, ...], tuple[PositionLogprobs, ...]]:
+        """What this event sends: the text of whole tokens the detokenizer has released,
+        with those tokens and their logprobs; with a choice's last event, all that is left (a
+        stop string's own tokens included, so that a choice's events carry every token
+        billed). Text that may begin a stop string is held back, and a token whose text is
+        partly held waits whole, so an event's tokens spell its text (as a chunk of OpenAI's
+        stream pairs its content with the logprobs of its tokens)."""
+        end = c.detok.decoded_chars
+        lps = (
+            self._logprobs(out.logprobs) if self.want_logprobs else [None] * len(out.new_token_ids)
         )
+        c.held += [(end, t, lp) for t, lp in zip(out.new_token_ids, lps, strict=True)]
+        if last:
+            ready, text = len(c.held), c.unsent
+        else:
+            released, ready = c.detok.released_chars, 0
+            while ready < len(c.held) and c.held[ready][0] <= released:
+                ready += 1
+            upto = c.held[ready - 1][0] if ready else c.sent_chars
+            text = c.unsent[: upto - c.sent_chars]
+        c.unsent = c.unsent[len(text) :]
+        c.sent_chars += len(text)
+        token_ids = tuple(t for _, t, _ in c.held[:ready])
+        logprobs = tuple(lp for _, _, lp in c.held[:ready] if lp is not None)
+        del c.held[:ready]
+        return text, token_ids, logprobs
 
     def _logprobs(self, sampled: Sequence[SampledToken]) -> tuple[PositionLogprobs, ...]:
         return tuple(

@@ -72,6 +72,16 @@ class IncrementalDetokenizer:
             self._floor = len(before.rstrip(_REPLACEMENT))
         return self._release_final()
 
+    @property
+    def released_chars(self) -> int:
+        """Characters of text released so far."""
+        return self._released
+
+    @property
+    def decoded_chars(self) -> int:
+        """Characters of final text so far, released or held back for the stop strings."""
+        return self._released + len(self._pending)
+
     def flush(self) -> str:
         """The held-back tail, once generation has finished."""
         return self._take(len(self._pending))

@@ -131,6 +131,24 @@ def test_min_tokens_hold_off_stop_strings(worker: TestClient) -> None:
     assert late.startswith(early) and len(late) > len(early)
 
 
+def test_tokens_and_logprobs_go_out_with_their_text_under_stop_strings(
+    worker: TestClient,
+) -> None:
+    """Text that may begin a stop string is held back; its tokens and their logprobs wait
+    with it, so each event's logprobs spell its text (as OpenAI's stream chunks do)."""
+    body = {"request_id": "lp-stop",
+            "messages": [{"role": "user", "content": "Write a list of fruits."}],
+            "params": {"max_tokens": 8, "temperature": 0.0, "logprobs": 0,
+                       "stop": ["zzzzzzzz"]}}  # fmt: skip
+    events = _events(worker, body)
+    for e in events:
+        spelled = "".join(lp["sampled"]["token"] for lp in e["logprobs"])  # type: ignore[attr-defined,index]
+        assert spelled == e["text"], events
+        assert len(e["logprobs"]) == len(e["token_ids"])  # type: ignore[arg-type]
+    assert sum(len(e["token_ids"]) for e in events) == 8  # type: ignore[misc,arg-type]
+    assert len([e for e in events if e["text"]]) > 1  # held back, but still streamed
+
+
 def test_metrics_show_the_engine(worker: TestClient) -> None:
     _events(worker, {"request_id": "m1", "prompt": "One two three", "params": {"max_tokens": 3}})
     _events(worker, {"request_id": "m2", "prompt": "One two three", "params": {"max_tokens": 3}})
