@@ -148,18 +148,31 @@ class ScaleEventStore:
             return int(conn.execute(stmt).scalar_one())
 
     def list(
-        self, deployment: str | None = None, limit: int = 100, before_id: int | None = None
+        self,
+        deployment: str | None = None,
+        limit: int = 100,
+        before_id: int | None = None,
+        *,
+        tenant_id: int | None = None,
+        since: datetime | None = None,
     ) -> list[ScaleEventRecord]:
-        """Up to ``limit`` events, newest first, optionally of one deployment.
+        """Up to ``limit`` events, newest first, optionally of one deployment, of one tenant
+        and from ``since`` on.
 
         Ordered by id, not time: ids never repeat, so passing the last id of one page as
-        ``before_id`` gives the next page with nothing skipped or repeated.
+        ``before_id`` gives the next page with nothing skipped or repeated. A deployment's
+        own history is its name's events of its tenant since its creation: a name can be
+        deleted and taken again, by another tenant too, and the events stay under it.
         """
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValueError(f"limit must be an integer >= 0, got {limit!r}")
         stmt = select(ScaleEvent).order_by(ScaleEvent.id.desc()).limit(limit)
         if deployment is not None:
             stmt = stmt.where(ScaleEvent.deployment == deployment)
+        if tenant_id is not None:
+            stmt = stmt.where(ScaleEvent.tenant_id == tenant_id)
+        if since is not None:
+            stmt = stmt.where(ScaleEvent.created_at >= since)
         if before_id is not None:
             stmt = stmt.where(ScaleEvent.id < before_id)
         with self.db.session() as session:

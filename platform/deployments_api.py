@@ -12,6 +12,7 @@ delete drains every replica; its usage stays in the ledger.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any
@@ -253,11 +254,18 @@ async def list_scale_events(request: Request) -> Response:
     """``GET /v1/deployments/{name}/events?limit=&before=``: scale events, newest first."""
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
-    name = _owned_or_404(services, request.path_params["name"], principal).name
+    spec = _owned_or_404(services, request.path_params["name"], principal)
     limit = _query_int(request, "limit", 100, 1, MAX_EVENTS_PAGE)
     before = _query_int(request, "before", None, 1, MAX_EVENT_ID)
     await services.scale_events.flush()  # what the pool just did is in the answer
-    events = await asyncio.to_thread(services.scale_events.store.list, name, limit + 1, before)
+    # This deployment's events only: not those of an earlier one of the same name, which
+    # may have been another tenant's.
+    events = await asyncio.to_thread(
+        functools.partial(
+            services.scale_events.store.list, spec.name, limit + 1, before,
+            tenant_id=spec.tenant_id, since=spec.created_at,
+        )
+    )  # fmt: skip
     page = events[:limit]
     return JSONResponse(
         {

@@ -432,9 +432,10 @@ def test_scale_events_page_newest_first(
     spec = {"name": "scaled", "snapshot_uri": f"file://{snapshot}"}
     assert client.post("/v1/deployments", json=spec).status_code == 201
     store = services.scale_events.store
+    tenant = services.catalog.tenant_of("scaled")
     for i in range(3):
-        store.record(ScaleEventRecord("scaled", i, i + 1, f"load {i}"))
-    store.record(ScaleEventRecord("other", 0, 1, "request"))
+        store.record(ScaleEventRecord("scaled", i, i + 1, f"load {i}", tenant_id=tenant))
+    store.record(ScaleEventRecord("other", 0, 1, "request", tenant_id=tenant))
     page = client.get("/v1/deployments/scaled/events", params={"limit": 2}).json()
     assert [e["reason"] for e in page["data"]] == ["load 2", "load 1"]
     assert page["has_more"] is True

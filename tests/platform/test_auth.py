@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 from hotpool.billing.db import Database
 from hotpool.billing.keys import KeyStore, parse_scopes
 from hotpool.billing.ledger import UsageRecord
+from hotpool.billing.scale_events import ScaleEventRecord
 from hotpool.billing.tenants import TenantStore
 from hotpool.platform.app import build_services, create_app
 from hotpool.platform.services import Services
@@ -198,6 +199,22 @@ def test_usage_is_the_tenants_own_and_admin_sees_all(world: World) -> None:
             assert _error(r, 404, "tenant_not_found")["message"] == f"tenant {name!r} not found"
     r = world.client.get("/v1/usage", params={"tenant": "beta"}, headers=world.h("alpha:admin"))
     assert sum(x["input_tokens"] for b in r.json()["data"] for x in b["results"]) == 1000
+
+
+def test_a_reused_name_shows_none_of_the_old_deployments_scale_events(world: World) -> None:
+    alpha = world.services.catalog.tenant_of("alpha-model")
+    world.services.scale_events.store.record(
+        ScaleEventRecord("alpha-model", 0, 1, "request", tenant_id=alpha)
+    )
+    events = "/v1/deployments/alpha-model/events"
+    assert len(world.client.get(events, headers=world.h("alpha:deploy")).json()["data"]) == 1
+    r = world.client.delete("/v1/deployments/alpha-model", headers=world.h("alpha:deploy"))
+    assert r.status_code == 200
+    body = {"name": "alpha-model", "snapshot_uri": f"file://{world.snapshot}"}
+    r = world.client.post("/v1/deployments", json=body, headers=world.h("beta:deploy"))
+    assert r.status_code == 201, r.text
+    # Beta's new deployment of that name has no history yet; alpha's is not beta's to see.
+    assert world.client.get(events, headers=world.h("beta:deploy")).json()["data"] == []
 
 
 def test_revoked_key_fails_at_once(world: World) -> None:
