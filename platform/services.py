@@ -59,11 +59,28 @@ class Services:
         self.router.begin_shutdown()
 
 
+async def read_body(request: Request) -> bytes:
+    """The request body, or a 413 as soon as it is over MAX_BODY_BYTES: a declared length
+    over it is refused before a byte is read, and a chunked body is counted as it comes
+    (read whole first, one upload of gigabytes held them all in memory before the check)."""
+    too_large = APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    request._body = body  # as Request.body() keeps it, for whoever asks again
+    return body
+
+
 async def read_json(request: Request) -> Any:
     """The request body as JSON, or a 400 that says what is wrong with it."""
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    body = await read_body(request)
     if not body:
         raise APIError(400, "the request body is empty; expected a JSON object")
     try:

@@ -3,6 +3,7 @@ SQLite ledger, a real local-process backend (no request here ever reaches a work
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -12,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from snapshot_folders import snapshot_folder
+from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from hotpool.billing.db import Database
@@ -20,7 +22,8 @@ from hotpool.billing.ledger import Ledger, UsageRecord
 from hotpool.billing.prices import PriceStore
 from hotpool.billing.scale_events import ScaleEventRecord
 from hotpool.platform.app import build_services, create_app
-from hotpool.platform.services import Services
+from hotpool.platform.errors import APIError
+from hotpool.platform.services import Services, read_body
 from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig
 from hotpool.settings import load_settings
 
@@ -217,6 +220,28 @@ def test_a_body_must_be_utf_8(client: TestClient, path: str) -> None:
     for body in (b'{"name": "\xed\xa0\x80", "tenant": "t"}', '{"name": "x"}'.encode("utf-16")):
         err = error_of(client.post(path, content=body), 400)
         assert "not valid JSON" in err["message"] and "utf-8" in err["message"]
+
+
+def test_a_chunked_body_over_the_limit_is_refused_before_it_is_all_read() -> None:
+    """A chunked upload has no length to check first: it is counted as it comes, and 413
+    once past the limit, not held whole in memory (64 MiB sent here; ~9 MiB read)."""
+    pulled = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal pulled
+        pulled += 1
+        return {"type": "http.request", "body": b" " * (1 << 20), "more_body": pulled < 64}
+
+    request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+    with pytest.raises(APIError) as err:
+        asyncio.run(read_body(request))
+    assert err.value.status == 413 and pulled == 9
+
+    declared = Request({"type": "http", "headers": [(b"content-length", b"9999999999")]}, receive)
+    pulled = 0
+    with pytest.raises(APIError):  # a declared length over it: not a byte is read
+        asyncio.run(read_body(declared))
+    assert pulled == 0
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/deployments", "/v1/keys"])
