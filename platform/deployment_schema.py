@@ -215,8 +215,16 @@ def _check_local_snapshot(uri: str) -> None:
     must exist, have a manifest, and hold a model type the workers run. (The worker verifies
     the manifest in full when it loads the snapshot.)"""
     path = Path(uri.removeprefix("file://")) / "manifest.json"
-    if not path.is_file():
-        raise APIError(422, f"no snapshot at {uri} (manifest.json not found)", param="snapshot_uri")
+    try:
+        found = path.is_file()
+    except OSError as exc:  # a name too long for the file system, a folder it may not read
+        raise APIError(
+            422, f"no snapshot at {_shown(uri)} ({exc.strerror})", param="snapshot_uri"
+        ) from None
+    if not found:
+        raise APIError(
+            422, f"no snapshot at {_shown(uri)} (manifest.json not found)", param="snapshot_uri"
+        )
     try:
         architecture = json.loads(path.read_text())["architecture"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -230,3 +238,7 @@ def _check_local_snapshot(uri: str) -> None:
             f"{', '.join(RUNNABLE_MODEL_TYPES)}",
             param="snapshot_uri",
         )
+
+
+def _shown(uri: str) -> str:
+    return uri if len(uri) <= 200 else f"{uri[:200]}... ({len(uri)} characters)"

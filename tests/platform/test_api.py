@@ -404,6 +404,13 @@ def test_missing_snapshot_is_422(client: TestClient, tmp_path: Path) -> None:
     assert "manifest" in error_of(deploy(client, broken), 422)["message"]
 
 
+def test_a_path_the_file_system_cannot_take_is_422_not_500(client: TestClient) -> None:
+    for path in ("/" + "a" * 300, "/" + "/".join(["b" * 255] * 20), "/x\x00y"):
+        r = client.post("/v1/deployments", json={"name": "long", "snapshot_uri": f"file://{path}"})
+        err = error_of(r, 422)
+        assert err["param"] == "snapshot_uri" and len(err["message"]) < 300
+
+
 def test_a_model_type_workers_cannot_run_is_422(client: TestClient, tmp_path: Path) -> None:
     err = error_of(deploy(client, snapshot_folder(tmp_path / "gpt2", model_type="gpt2")), 422)
     assert err["param"] == "snapshot_uri"
