@@ -25,6 +25,9 @@ from hotpool.billing.versions import VersionRecord, changes_json, version_record
 NAME_MAX_LEN = 128
 MIN_MAX_MODEL_LEN = 16
 MIN_KV_CACHE_BYTES = 1 << 20
+# 16 TiB: above any one machine's memory. A value past it (up to 2**63 fit the column) made
+# the worker's allocation overflow instead of a clear refusal.
+MAX_KV_CACHE_BYTES = 1 << 44
 # What a replica loads: a change to any of these needs new replicas (a new generation).
 REPLICA_FIELDS = ("snapshot_uri", "dtype", "max_model_len", "kv_cache_bytes")
 # Fields the store owns or that identify the deployment: update() cannot change them.
@@ -128,6 +131,11 @@ class DeploymentSpec:
             value = getattr(self, name)
             if value is not None and not _int_at_least(value, minimum):
                 raise ValueError(f"{name} must be an integer >= {minimum} or None, got {value!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes > MAX_KV_CACHE_BYTES:
+            raise ValueError(
+                f"kv_cache_bytes must be at most {MAX_KV_CACHE_BYTES} (16 TiB), "
+                f"got {self.kv_cache_bytes}"
+            )
         timeout = self.queue_timeout_s
         if timeout is not None and not (
             isinstance(timeout, int | float)

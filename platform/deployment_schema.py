@@ -13,7 +13,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hotpool.billing.deployments import REPLICA_FIELDS, DeploymentSpec
+from hotpool.billing.deployments import (
+    MAX_KV_CACHE_BYTES,
+    MIN_KV_CACHE_BYTES,
+    REPLICA_FIELDS,
+    DeploymentSpec,
+)
 from hotpool.platform.errors import APIError, invalid, json_object
 from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES
 
@@ -25,10 +30,9 @@ S3_URI = re.compile(r"s3://[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9](/[^?#\x00
 DTYPES = ("bf16", "fp16", "fp32")
 MAX_IDLE_TIMEOUT_S = 7 * 86400
 MAX_QUEUE_TIMEOUT_S = 3600
-# What the SQL columns hold (INTEGER is 32 bits in PostgreSQL; kv_cache_bytes is a BIGINT):
-# a larger value must be a 400 here, not an overflow in the database.
+# What the SQL columns hold (INTEGER is 32 bits in PostgreSQL; kv_cache_bytes, a BIGINT, has
+# a lower bound of its own): a larger value must be a 400 here, not an overflow in the database.
 MAX_INT = (1 << 31) - 1
-MAX_BIGINT = (1 << 63) - 1
 
 
 def _snapshot_uri(value: Any) -> str:
@@ -100,7 +104,9 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "queue_timeout_s": _seconds("queue_timeout_s", MAX_QUEUE_TIMEOUT_S, nullable=True),
     "dtype": _dtype,
     "max_model_len": _int("max_model_len", 16, nullable=True),
-    "kv_cache_bytes": _int("kv_cache_bytes", 1 << 20, nullable=True, maximum=MAX_BIGINT),
+    "kv_cache_bytes": _int(
+        "kv_cache_bytes", MIN_KV_CACHE_BYTES, nullable=True, maximum=MAX_KV_CACHE_BYTES
+    ),
 }
 
 

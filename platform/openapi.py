@@ -14,7 +14,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from hotpool import __version__
-from hotpool.billing.deployments import MIN_KV_CACHE_BYTES, MIN_MAX_MODEL_LEN
+from hotpool.billing.deployments import (
+    MAX_KV_CACHE_BYTES,
+    MIN_KV_CACHE_BYTES,
+    MIN_MAX_MODEL_LEN,
+)
 from hotpool.billing.keys import KEY_NAME_MAX_LEN, SCOPES
 from hotpool.billing.models import STATUSES
 from hotpool.billing.prices import DEFAULT_CURRENCY, DEPLOYMENT_MAX_LEN, MAX_PRICE_MICROS
@@ -617,7 +621,7 @@ DEPLOYMENT_FIELDS: dict[str, Schema] = {
     "queue_timeout_s": null(number(0, dep.MAX_QUEUE_TIMEOUT_S, open_lo=True)),
     "dtype": {"enum": [*dep.DTYPES, None], "description": "null: the snapshot's own"},
     "max_model_len": null(integer(MIN_MAX_MODEL_LEN, INT)),
-    "kv_cache_bytes": null(integer(MIN_KV_CACHE_BYTES, dep.MAX_BIGINT)),
+    "kv_cache_bytes": null(integer(MIN_KV_CACHE_BYTES, MAX_KV_CACHE_BYTES)),
 }
 CREATE_DEPLOYMENT = obj({"name": DEPLOYMENT_NAME, **DEPLOYMENT_FIELDS}, ("name", "snapshot_uri"))
 CANARY = {

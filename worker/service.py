@@ -22,7 +22,7 @@ from hotpool.worker.engine.base import EngineRequest, RequestRejected
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
 from hotpool.worker.host_cache import HostKey, HostModelCache
 from hotpool.worker.models.llama import LlamaModel
-from hotpool.worker.models.loader import DTYPES, load_model
+from hotpool.worker.models.loader import DTYPES, ModelLoadError, load_model
 from hotpool.worker.models.packed_linear import cpu_has_native_bf16
 from hotpool.worker.protocol import (
     GenerateEvent,
@@ -125,7 +125,15 @@ class WorkerService:
                 max_model_len=req.max_model_len or self.engine_config.max_model_len,
                 kv_cache_bytes=req.kv_cache_bytes or self.engine_config.kv_cache_bytes,
             )
-            engine = LLMEngine(model, self.device, config)
+            try:
+                engine = LLMEngine(model, self.device, config)
+            except (OverflowError, MemoryError, OSError, torch.OutOfMemoryError) as exc:
+                # The KV cache this deployment asks for cannot be had here: the cold start
+                # fails with that said (an unhandled error ended the worker process).
+                raise ModelLoadError(
+                    f"cannot allocate the KV cache ({config.kv_cache_bytes} bytes) on "
+                    f"{self.device}: {exc}"
+                ) from exc
             _warm_up(engine)
             phases["warmup"] = time.perf_counter() - t2
         except BaseException:

@@ -439,6 +439,8 @@ def test_a_model_type_workers_cannot_run_is_422(client: TestClient, tmp_path: Pa
         ({"dtype": "int4"}, "dtype"),
         ({"max_model_len": 8}, "max_model_len"),
         ({"kv_cache_bytes": 1024}, "kv_cache_bytes"),
+        ({"kv_cache_bytes": (1 << 44) + 1}, "kv_cache_bytes"),  # more than any machine holds
+        ({"kv_cache_bytes": (1 << 63) - 1}, "kv_cache_bytes"),
         ({"min_replicas": 3, "max_replicas": 2}, "min_replicas"),
     ],
 )

@@ -40,6 +40,19 @@ def worker(
         client.post("/unload", headers=AUTH)
 
 
+def test_a_kv_cache_that_cannot_be_allocated_fails_the_load_cleanly(
+    tmp_path: Path, smollm2_snapshot_bf16: Path
+) -> None:
+    service = WorkerService(SnapshotCache(tmp_path / "cache"), torch.device("cpu"), EngineConfig())
+    with TestClient(build_worker_app(service, TOKEN, "w-kv")) as client:
+        body = {"deployment": "d", "snapshot_uri": f"file://{smollm2_snapshot_bf16}"}
+        r = client.post("/load", json={**body, "kv_cache_bytes": 1 << 63}, headers=AUTH)
+        assert r.status_code == 422 and "cannot allocate the KV cache" in r.text, r.text
+        assert client.get("/health").json()["loaded"] is None  # and the worker goes on
+        r = client.post("/load", json={**body, "kv_cache_bytes": 16 << 20}, headers=AUTH)
+        assert r.status_code == 200, r.text
+
+
 def _events(client: TestClient, body: dict[str, object]) -> list[dict[str, object]]:
     with client.stream("POST", "/generate", json=body, headers=AUTH) as r:
         assert r.status_code == 200
