@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
@@ -124,9 +125,15 @@ def api_url(url: str | None) -> str:
     return f"http://127.0.0.1:{settings_or_exit().port}"
 
 
+API_KEY_VAR = "HOTPOOL_API_KEY"  # the key the CLI sends to a server that requires keys
+
+
 def call_api(method: str, url: str, missing_ok: bool = False, **kwargs: Any) -> Any:
     """One API call; its JSON answer, or a ClickException with the API's error message
-    (``missing_ok``: None for a 404)."""
+    (``missing_ok``: None for a 404). With ``HOTPOOL_API_KEY`` set, the call carries it."""
+    key = os.environ.get(API_KEY_VAR, "").strip()
+    if key:
+        kwargs["headers"] = {"authorization": f"Bearer {key}", **kwargs.get("headers", {})}
     try:
         r = httpx.request(method, url, timeout=httpx.Timeout(600.0, connect=5.0), **kwargs)
     except (httpx.ConnectError, httpx.ConnectTimeout):
@@ -142,5 +149,7 @@ def call_api(method: str, url: str, missing_ok: bool = False, **kwargs: Any) -> 
             message = r.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = r.text
+        if r.status_code == 401 and not key:
+            message += f" (set {API_KEY_VAR} to the key the CLI should send)"
         raise click.ClickException(f"{r.status_code}: {message}")
     return r.json()
