@@ -79,9 +79,10 @@ def worker_threads(threads: int | None, cpus: float) -> int:
     return threads if threads is not None else max(1, int(cpus))
 
 
-# Never sent to the nodes: the token travels apart (never inherited by accident), and the
-# database URL holds the ledger's password while workers never touch the ledger.
-NOT_FORWARDED = frozenset({"HOTPOOL_WORKER_TOKEN", "HOTPOOL_DATABASE_URL"})
+# Never sent to the nodes: the token travels apart (never inherited by accident), the
+# database URL holds the ledger's password while workers never touch the ledger, and an
+# API key in the control plane's environment (the CLI's) has no business on a worker node.
+NOT_FORWARDED = frozenset({"HOTPOOL_WORKER_TOKEN", "HOTPOOL_DATABASE_URL", "HOTPOOL_API_KEY"})
 
 
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:

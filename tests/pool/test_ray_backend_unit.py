@@ -57,6 +57,7 @@ def test_remote_workers_get_the_control_planes_settings_but_not_its_token() -> N
         "HOTPOOL_S3_ENDPOINT_URL": "http://minio:9000",
         "HOTPOOL_WORKER_TOKEN": "secret",  # the backend sets it itself
         "HOTPOOL_DATABASE_URL": "postgresql://hotpool:pw@db/hotpool",  # the ledger's password
+        "HOTPOOL_API_KEY": "hp_the_clis_own",
         "AWS_SECRET_ACCESS_KEY": "not-forwarded",
         "PATH": "/usr/bin",
     }
