@@ -298,10 +298,9 @@ def _query_int(
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = low - 1
+    # ASCII digits only, as /v1/usage reads its integers: int() would also take "1_0",
+    # " 1", "+1" and other scripts' digits.
+    value = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 20 else low - 1
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f">= {low}"
         raise invalid(f"`{name}` must be an integer {bound}", name)

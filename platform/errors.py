@@ -9,6 +9,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Match
 
 log = logging.getLogger("hotpool.api")
 
@@ -92,7 +93,21 @@ async def http_exception_handler(request: Request, exc: Exception) -> Response:
         404: f"no route for {request.method} {request.url.path}",
         405: f"method {request.method} is not allowed on {request.url.path}",
     }.get(exc.status_code, str(exc.detail))
-    return APIError(exc.status_code, message).response()
+    response = APIError(exc.status_code, message).response()
+    if exc.status_code == 405:  # HTTP requires the methods the resource does allow
+        response.headers["allow"] = ", ".join(_allowed_methods(request))
+    return response
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    # Every route of the path, not only the one Starlette matched first: GET and POST of
+    # /v1/deployments are two routes.
+    methods: set[str] = set()
+    for route in getattr(request.app, "routes", ()):
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 async def unhandled_error_handler(request: Request, exc: Exception) -> Response:

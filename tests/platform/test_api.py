@@ -163,9 +163,15 @@ def test_unknown_route_is_an_openai_404(client: TestClient) -> None:
 
 
 def test_wrong_method_is_an_openai_405(client: TestClient) -> None:
-    err = error_of(client.get("/v1/chat/completions"), 405)
-    assert "GET" in err["message"]
-    error_of(client.delete("/healthz"), 405)
+    r = client.get("/v1/chat/completions")
+    assert "GET" in error_of(r, 405)["message"]
+    assert r.headers["allow"] == "POST"  # HTTP requires it on a 405
+    r = client.delete("/healthz")
+    error_of(r, 405)
+    assert r.headers["allow"] == "GET, HEAD"
+    r = client.put("/v1/deployments")  # GET and POST are two routes: both are allowed
+    error_of(r, 405)
+    assert r.headers["allow"] == "GET, HEAD, POST"
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/deployments"])
@@ -483,7 +489,8 @@ def test_scale_events_page_newest_first(
 @pytest.mark.parametrize(
     ("params", "param"),
     [({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"), ({"limit": "1001"}, "limit"),
-     ({"before": "-1"}, "before")],
+     ({"before": "-1"}, "before"), ({"limit": "1_0"}, "limit"), ({"limit": " 1"}, "limit"),
+     ({"limit": "+5"}, "limit"), ({"limit": "٣"}, "limit")],
 )  # fmt: skip
 def test_bad_scale_event_query_is_400(
     client: TestClient, snapshot: Path, params: dict[str, str], param: str
