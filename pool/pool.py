@@ -374,23 +374,31 @@ class WorkerPool:
             self._evicting += 1
             self._spawn(self._evict(old, f"rolled over to version {waiting.generation}"))
             return
+        served = self._versions(waiting.deployment)
+        outdated = {r.generation for r in self.replicas(waiting.deployment)} - served
+        # Another deployment's replicas, and the other served version's of this one: a
+        # canary and its stable version on a full pool take turns as two deployments do
+        # (a canary request waited for ever beside an idle stable replica).
         others = [
             r
             for r in self.replicas()
             if r.state is ReplicaState.READY
-            and r.deployment != waiting.deployment
+            and (
+                r.deployment != waiting.deployment
+                or r.generation not in (waiting.generation, *outdated)  # those: _outdated_for
+            )
             and len(self._live(r.deployment)) > self._floor(r.deployment)
         ]
         idle = [r for r in others if r.inflight == 0]
         waited = time.monotonic() - waiting.requested_at
         if idle:
             victim = min(idle, key=lambda r: r.last_used)  # least recently used
-            reason = f"evicted (least recently used) for {waiting.deployment}"
+            reason = f"evicted (least recently used) for {_version_of(waiting, victim)}"
         elif others and waited >= self.preempt_after_s:
             # Busy everywhere: take turns. The deployment holding the most workers gives
             # one up first; its in-flight requests finish (drain), new ones queue.
             victim = max(others, key=lambda r: (len(self._live(r.deployment)), -r.requested_at))
-            reason = f"preempted for {waiting.deployment} (waited {waited:.0f}s)"
+            reason = f"preempted for {_version_of(waiting, victim)} (waited {waited:.0f}s)"
         else:
             return
         self._evicting += 1
@@ -530,3 +538,11 @@ class WorkerPool:
             return
         after = len(self.replicas(replica.deployment))
         self.on_scale(ScaleEvent(replica.deployment, after + 1, after, reason, replica.id))
+
+
+def _version_of(waiting: Replica, victim: Replica) -> str:
+    """``waiting``'s deployment as a scale event names it, with its version when the victim
+    is another version of the same deployment."""
+    if victim.deployment == waiting.deployment:
+        return f"{waiting.deployment} version {waiting.generation}"
+    return waiting.deployment

@@ -448,6 +448,33 @@ def test_a_roll_over_on_a_full_pool_drains_the_old_version_to_make_room() -> Non
     run(scenario)
 
 
+def test_a_canary_and_its_stable_version_take_turns_on_a_full_pool() -> None:
+    """One worker: a canary request must not wait for ever beside an idle stable replica
+    (only other deployments were evicted); a busy one is preempted after the wait."""
+
+    async def scenario() -> None:
+        pool, _, events = _pool(max_workers=1, preempt_after_s=0.3)
+        stable = _spec("d", max_replicas=1, idle_timeout_s=60)
+        canary = replace(stable, snapshot_uri="file:///s/d-v2", generation=2)
+        pool.scale_up(stable)
+        old = await _ready(pool.replicas("d")[0])
+        new = await _ready(pool.scale_up(canary, canary=True))
+        assert old.state is not ReplicaState.READY and pool.replicas("d") == [new]
+        assert any(e.reason == "evicted (least recently used) for d version 2" for e in events)
+        new.inflight = 1  # now the stable version waits behind a busy canary
+        back = pool.scale_up(stable)
+        await asyncio.sleep(0.4)
+        pool._grant()  # the autoscaler's tick
+        await _settle(pool)
+        assert new.state is ReplicaState.DRAINING
+        new.inflight = 0
+        await _ready(back)
+        assert any(e.reason.startswith("preempted for d version 1") for e in events)
+        await pool.shutdown()
+
+    run(scenario)
+
+
 def test_a_roll_over_on_a_full_pool_replaces_old_replicas_one_at_a_time() -> None:
     async def scenario() -> None:
         pool, _, _ = _pool(max_workers=2, preempt_after_s=3600)
