@@ -9,6 +9,7 @@ token, the end-of-sequence token included, so a choice's entries add up to what 
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,23 +41,40 @@ def native_logprobs(positions: Sequence[PositionLogprobs]) -> list[dict[str, Any
 
 
 class CompletionLogprobs:
-    """Legacy logprobs of one choice; ``text_offset`` runs on across streamed chunks."""
+    """Legacy logprobs of one choice; ``text_offset`` runs on across streamed chunks.
+
+    A token that holds part of a character (an emoji's first bytes) is shown as OpenAI shows
+    it, ``bytes:\\xf0\\x9f``, and offsets count the characters of the text: such a token
+    adds none, the one that completes the character adds it."""
 
     def __init__(self) -> None:
         self.offset = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def chunk(self, positions: Sequence[PositionLogprobs]) -> dict[str, Any]:
         tokens, offsets = [], []
         for p in positions:
-            tokens.append(p.sampled.token)
+            tokens.append(legacy_token(p.sampled))
             offsets.append(self.offset)
-            self.offset += len(p.sampled.token)
+            self.offset += len(self._utf8.decode(bytes(p.sampled.utf8)))
         return {
             "tokens": tokens,
             "token_logprobs": [p.sampled.logprob for p in positions],
             "top_logprobs": [
-                {**{t.token: t.logprob for t in p.top}, p.sampled.token: p.sampled.logprob}
+                {
+                    **{legacy_token(t): t.logprob for t in p.top},
+                    legacy_token(p.sampled): p.sampled.logprob,
+                }
                 for p in positions
             ],
             "text_offset": offsets,
         }
+
+
+def legacy_token(t: TokenLogprob) -> str:
+    """The token's text, or ``bytes:\\xNN...`` when its bytes are not whole characters."""
+    try:
+        bytes(t.utf8).decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in t.utf8)
+    return t.token

@@ -54,3 +54,19 @@ def test_native_shape_carries_token_ids() -> None:
         "token_id": 3, "token": "!", "logprob": -0.1, "bytes": [33],
         "top_logprobs": [{"token_id": 3, "token": "!", "logprob": -0.1, "bytes": [33]}],
     }  # fmt: skip
+
+
+def test_completion_tokens_of_part_of_a_character_show_their_bytes() -> None:
+    """An emoji split over two tokens: each shows as OpenAI shows it (``bytes:\\xNN``), and
+    the offsets count the text's characters, so ``text[offset]`` is where each token's text
+    begins (the emoji's two tokens both point at it)."""
+    rest = TokenLogprob(5, "\ufffd", -0.3, (0x98, 0x80))
+    legacy = CompletionLogprobs()
+    out = legacy.chunk([PositionLogprobs(BANG), PositionLogprobs(HALF, (HALF, BANG))])
+    out2 = legacy.chunk([PositionLogprobs(rest), PositionLogprobs(HI)])
+    assert out["tokens"] == ["!", "bytes:\\xf0\\x9f"]
+    assert out["top_logprobs"][1] == {"bytes:\\xf0\\x9f": -2.0, "!": -0.1}
+    assert out2["tokens"] == ["bytes:\\x98\\x80", "Hi"]
+    text = "!\U0001f600Hi"
+    assert out["text_offset"] + out2["text_offset"] == [0, 1, 1, 2]
+    assert text[2:] == "Hi"
