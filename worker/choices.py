@@ -100,8 +100,11 @@ class Choices:
             c.num_cached = out.num_cached_tokens
         if out.finish_reason == "error":
             c.done = True
+            c.unsent += c.detok.flush()
+            held = replace(out, new_token_ids=(), logprobs=())  # an error brings no token
+            text, token_ids, logprobs = self._release(c, held, last=True)  # what was held
             return GenerateEvent(
-                c.detok.flush(), (), "error", self.usage(), out.error, index=c.index
+                text, token_ids, "error", self.usage(), out.error, index=c.index, logprobs=logprobs
             )
         c.num_tokens += len(out.new_token_ids)
         c.unsent += c.detok.push(out.new_token_ids)

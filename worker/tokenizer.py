@@ -37,12 +37,22 @@ class TextTokenizer:
         added = self._tok.get_added_tokens_decoder()
         self._added = {i: t.content for i, t in added.items()}
         self._pieces: dict[int, tuple[str, tuple[int, ...]]] = {}
-        # Special tokens' texts, longest first (so "<|im_end|>" is not read as a shorter one
-        # it starts with), and a copy of the tokenizer that reads them as plain text.
-        specials = sorted({t.content for t in added.values() if t.special}, key=len, reverse=True)
-        self._special_ids = {t: self._tok.token_to_id(t) for t in specials}
-        self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
-        self._literal = Tokenizer.from_str(self._tok.to_str())
+        # Control tokens' texts, longest first (so "<|im_end|>" is not read as a shorter one
+        # it starts with): the special ones, and added ones that look like markup (Qwen's
+        # <tool_call> and <think> are not flagged special), with a copy of the tokenizer that
+        # reads all of them as plain text.
+        controls = sorted(
+            {t.content for t in added.values() if t.special or _MARKUP.fullmatch(t.content)},
+            key=len,
+            reverse=True,
+        )
+        self._special_ids = {t: self._tok.token_to_id(t) for t in controls}
+        self._specials = re.compile("|".join(map(re.escape, controls))) if controls else None
+        literal = json.loads(self._tok.to_str())
+        for entry in literal.get("added_tokens") or ():
+            if entry.get("content") in self._special_ids:
+                entry["special"] = True  # so that encode_special_tokens reads it as text
+        self._literal = Tokenizer.from_str(json.dumps(literal))
         self._literal.encode_special_tokens = True
 
     @property
@@ -64,54 +74,51 @@ class TextTokenizer:
         return ids
 
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """A chat's prompt: the template rendered and tokenized, where special tokens come
+        """A chat's prompt: the template rendered and tokenized, where control tokens come
         from the template only.
 
-        A message whose text spells a special token (``<|im_end|>``) gets that text's plain
-        tokens, as OpenAI treats message content as text: read as the token, it would end the
+        What a message says is text, as OpenAI treats it: a message that spells a control
+        token (``<|im_end|>``), or that the template turns into one (``|lower`` of
+        ``<|IM_END|>``), gets that text's plain tokens; read as the token, it would end the
         user's turn and let the user write the assistant's or the system's (role spoofing).
-        Text between the template's own special tokens is tokenized as one piece, so a chat
-        without such text gets exactly ``encode(apply_chat_template(messages))``."""
+        To tell the messages' text from the template's, the template is rendered once with
+        each message's text (and name) between two lone surrogates, which no text holds (the
+        control plane refuses them). A chat whose messages hold no control text gets exactly
+        ``encode(apply_chat_template(messages))``."""
         found = self._specials
-        if found is None or not any(
-            found.search(m.content) or (m.name and found.search(m.name)) for m in messages
-        ):
+        if found is None:
             return self.encode(self.apply_chat_template(messages))
-        # The messages' special texts become lone surrogates, which no text holds (the
-        # control plane refuses them; a tokenizer cannot encode them), so that after
-        # rendering they can be told from the template's own special tokens.
-        marks: dict[str, str] = {}
-
-        def mark(match: re.Match[str]) -> str:
-            if len(marks) == _MARKS and match.group() not in marks:
-                raise TemplateError("too many different special tokens in the messages")
-            return marks.setdefault(match.group(), chr(_FIRST_MARK + len(marks)))
-
-        escaped = [
-            ChatMessage(
-                m.role,
-                found.sub(mark, m.content),
-                None if m.name is None else found.sub(mark, m.name),
-            )
+        enclosed = [
+            ChatMessage(m.role, _enclose(m.content), None if m.name is None else _enclose(m.name))
             for m in messages
         ]
-        rendered = self.apply_chat_template(escaped)
-        unmark = {c: t for t, c in marks.items()}
+        parts = _regions(self.apply_chat_template(enclosed))
+        if parts is None:  # the template cut a message's text apart: as rendered, then
+            return self.encode(self.apply_chat_template(messages))
+        if not any(is_text and found.search(t) for t, is_text in parts):
+            return self.encode(self.apply_chat_template(messages))
         ids: list[int] = []
-        at = 0
-        for special in found.finditer(rendered):  # the template's own special tokens
-            ids += self._plain(rendered[at : special.start()], unmark)
-            ids.append(self._special_ids[special.group()])
-            at = special.end()
-        ids += self._plain(rendered[at:], unmark)
+        plain: list[str] = []  # text to tokenize as one piece, up to the next control token
+        for text, is_text in parts:
+            if is_text:
+                plain.append(text)
+                continue
+            at = 0
+            for control in found.finditer(text):  # the template's own control tokens
+                plain.append(text[at : control.start()])
+                ids += self._plain("".join(plain))
+                plain.clear()
+                ids.append(self._special_ids[control.group()])
+                at = control.end()
+            plain.append(text[at:])
+        ids += self._plain("".join(plain))
         return self._with_bos(ids)
 
-    def _plain(self, text: str, unmark: dict[str, str]) -> list[int]:
-        """``text`` with the messages' special texts put back, tokenized as plain text."""
+    def _plain(self, text: str) -> list[int]:
+        """``text`` tokenized as plain text (control tokens' texts included)."""
         if not text:
             return []
-        restored = "".join(unmark.get(c, c) for c in text)
-        return list(self._literal.encode(restored, add_special_tokens=False).ids)
+        return list(self._literal.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
@@ -158,7 +165,35 @@ class TextTokenizer:
             raise TemplateError(f"chat template failed: {exc}") from exc
 
 
-_FIRST_MARK, _MARKS = 0xD800, 2048  # the surrogates: Llama 3 has 256 special tokens
+_OPEN, _CLOSE = "\ud800", "\udc00"  # around a message's text while the template renders
+_MARKS = re.compile(f"[{_OPEN}{_CLOSE}]")
+_MARKUP = re.compile(r"<[^\s<>]{1,64}>")  # an added token like <tool_call> or <|fim_pad|>
+
+
+def _enclose(text: str) -> str:
+    """``text`` between the marks, its leading and trailing whitespace outside them, so that
+    a template's ``|trim`` still trims it."""
+    core = text.strip()
+    if not core:
+        return text
+    head = text[: len(text) - len(text.lstrip())]
+    return f"{head}{_OPEN}{core}{_CLOSE}{text[len(head) + len(core) :]}"
+
+
+def _regions(marked: str) -> list[tuple[str, bool]] | None:
+    """``marked`` split into (piece, is a message's text), the marks removed; None when the
+    marks do not pair up (the template sliced a message's text)."""
+    parts: list[tuple[str, bool]] = []
+    inside, at = False, 0
+    for mark in _MARKS.finditer(marked):
+        if (mark.group() == _OPEN) == inside:  # an open inside a text, or a close outside one
+            return None
+        parts.append((marked[at : mark.start()], inside))
+        inside, at = not inside, mark.end()
+    if inside:
+        return None
+    parts.append((marked[at:], False))
+    return parts
 
 
 def _template_message(m: ChatMessage) -> dict[str, str]:

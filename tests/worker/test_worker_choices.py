@@ -14,7 +14,8 @@ import torch
 from tiny_llama import TINY, tiny_model
 
 from hotpool.worker.engine.async_engine import AsyncEngine
-from hotpool.worker.engine.base import RequestRejected
+from hotpool.worker.choices import Choices
+from hotpool.worker.engine.base import EngineRequest, RequestOutput, RequestRejected
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
 from hotpool.worker.host_cache import HostKey
 from hotpool.worker.protocol import (
@@ -197,3 +198,20 @@ def test_token_pieces_of_a_sentencepiece_vocabulary(tmp_path: Path) -> None:
     assert tok.token_piece(2) == ("\ufffd", (0xE2,))  # one byte of a character
     assert tok.token_piece(3) == ("cat", tuple(b"cat"))
     assert tok.token_piece(4) == ("</s>", tuple(b"</s>"))
+
+
+def test_an_error_sends_the_text_and_tokens_held_for_a_stop_string(
+    smollm2_snapshot_bf16: Path,
+) -> None:
+    """Text that might begin a stop string waits; a choice that fails meanwhile still
+    sends it, with its tokens, before the error (nothing billed goes unsent)."""
+    tok = TextTokenizer(smollm2_snapshot_bf16)
+    ids = tok.encode(" Hello world")
+    params = SamplingParams(max_tokens=8, stop=("dX",))
+    choices = Choices(tok, [EngineRequest("r", (1, 2), params, frozenset())], params.stop)
+    events = [choices.event(RequestOutput("r", (i,), None, 2)) for i in ids]
+    failed = choices.event(RequestOutput("r", (), "error", 2, error="boom"))
+    assert failed is not None and failed.finish_reason == "error"
+    sent = [e for e in events if e is not None] + [failed]
+    assert "".join(e.text for e in sent) == " Hello world"
+    assert [t for e in sent for t in e.token_ids] == ids
