@@ -13,8 +13,8 @@ import pytest
 import torch
 from tiny_llama import TINY, tiny_model
 
-from hotpool.worker.engine.async_engine import AsyncEngine
 from hotpool.worker.choices import Choices
+from hotpool.worker.engine.async_engine import AsyncEngine
 from hotpool.worker.engine.base import EngineRequest, RequestOutput, RequestRejected
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
 from hotpool.worker.host_cache import HostKey
