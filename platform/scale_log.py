@@ -11,12 +11,25 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 
+from hotpool.billing.models import utcnow
 from hotpool.billing.scale_events import ScaleEventRecord, ScaleEventStore
 from hotpool.pool.pool import ScaleEvent
 from hotpool.pool.replica import Replica
 
 log = logging.getLogger("hotpool.scale_events")
+
+
+@dataclass(frozen=True)
+class _Stamped:
+    """A scale event with its deployment's tenant and its time, taken when it happened: the
+    deployment may be deleted and its name taken (by another tenant too) before it is
+    stored."""
+
+    event: ScaleEvent
+    tenant_id: int | None
+    at: datetime
 
 
 @dataclass(frozen=True)
@@ -36,7 +49,7 @@ class ScaleEventWriter:
         # A deployment's tenant, as last seen: its scale-downs after a DELETE, when the
         # catalog no longer knows it, still belong to it.
         self._tenants: dict[str, int] = {}
-        self._queue: asyncio.Queue[ScaleEvent | _ColdStartDone] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Stamped | _ColdStartDone] = asyncio.Queue()
         self._rows: dict[str, int] = {}  # replica id -> its scale-up row, until it is ready
         self._task: asyncio.Task[None] | None = None
 
@@ -44,7 +57,7 @@ class ScaleEventWriter:
         self._task = asyncio.create_task(self._run(), name="scale-event-writer")
 
     def submit(self, event: ScaleEvent) -> None:
-        self._queue.put_nowait(event)
+        self._queue.put_nowait(_Stamped(event, self._tenant(event.deployment), utcnow()))
 
     def cold_start_done(self, replica: Replica) -> None:
         self._queue.put_nowait(
@@ -76,19 +89,21 @@ class ScaleEventWriter:
             finally:
                 self._queue.task_done()
 
-    def _apply(self, op: ScaleEvent | _ColdStartDone) -> None:
-        if isinstance(op, _ColdStartDone):
-            row = self._rows.pop(op.replica_id, None)
+    def _apply(self, item: _Stamped | _ColdStartDone) -> None:
+        if isinstance(item, _ColdStartDone):
+            row = self._rows.pop(item.replica_id, None)
             if row is not None:
-                self.store.set_cold_start(row, op.seconds, op.error, op.phases)
+                self.store.set_cold_start(row, item.seconds, item.error, item.phases)
             return
+        op = item.event
         row = self.store.record(
             ScaleEventRecord(
                 deployment=op.deployment,
                 from_replicas=op.from_replicas,
                 to_replicas=op.to_replicas,
                 reason=op.reason[:256],
-                tenant_id=self._tenant(op.deployment),
+                created_at=item.at,
+                tenant_id=item.tenant_id,
             )
         )
         if op.to_replicas > op.from_replicas and op.replica_id is not None:
