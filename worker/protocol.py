@@ -104,7 +104,7 @@ class GenerateRequest:
             "request_id": self.request_id,
             "params": {name: getattr(self.params, name) for name in _PARAM_FIELDS},
             "prompt": self.prompt,
-            "messages": None if messages is None else [_message_json(m) for m in messages],
+            "messages": None if messages is None else [message_json(m) for m in messages],
         }
 
     @classmethod
@@ -292,7 +292,10 @@ class WorkerInfo:
         return info
 
 
-def _message_json(m: ChatMessage) -> dict[str, str]:
+def message_json(m: ChatMessage) -> dict[str, str]:
+    """An OpenAI message dict: on the wire to the worker, and what chat templates render.
+    ``name`` only when given: templates test ``'name' in message`` (or ``message.name is
+    defined``), as HF's apply_chat_template passes the OpenAI message dict through."""
     out = {"role": m.role, "content": m.content}
     if m.name is not None:
         out["name"] = m.name

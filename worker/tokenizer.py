@@ -10,7 +10,7 @@ from pathlib import Path
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from hotpool.worker.protocol import ChatMessage
+from hotpool.worker.protocol import ChatMessage, message_json
 
 
 class TemplateError(ValueError):
@@ -156,7 +156,7 @@ class TextTokenizer:
             raise TemplateError("this model has no chat template; use /v1/completions")
         try:
             return self._template.render(
-                messages=[_template_message(m) for m in messages],
+                messages=[message_json(m) for m in messages],
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -194,15 +194,6 @@ def _regions(marked: str) -> list[tuple[str, bool]] | None:
         return None
     parts.append((marked[at:], False))
     return parts
-
-
-def _template_message(m: ChatMessage) -> dict[str, str]:
-    # `name` only when given: templates test `'name' in message` (or `message.name is
-    # defined`), as HF's apply_chat_template passes the OpenAI message dict through.
-    out = {"role": m.role, "content": m.content}
-    if m.name is not None:
-        out["name"] = m.name
-    return out
 
 
 def _byte_symbols() -> dict[str, int]:
