@@ -185,6 +185,7 @@ class LedgerWriter:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._tasks.clear()
         if self.journal is not None:
+            self.journal.flush()  # on the loop's thread, where lines are added
             await asyncio.to_thread(self.journal.close)
         if self.spool is not None:
             self.spool.close()

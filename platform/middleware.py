@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
-import uuid
 from urllib.parse import quote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -24,7 +24,9 @@ CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+=-]{0,63}$")
 
 
 def new_request_id() -> str:
-    return f"req_{uuid.uuid4().hex}"
+    # 128 random bits, as uuid4 (less its 6 fixed bits) but a fifth of its cost: every
+    # request of a burst waits behind the ones admitted before it.
+    return f"req_{os.urandom(16).hex()}"
 
 
 class RequestIdMiddleware:

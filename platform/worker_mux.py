@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -29,7 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from hotpool.platform.worker_stream import connect, read_response
-from hotpool.worker.protocol import GenerateEvent
+from hotpool.worker.protocol import GenerateEvent, wire_dumps, wire_loads
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +167,7 @@ class WorkerMux:
         return len(self._streams)
 
     def _send(self, op: dict[str, Any], now: bool = False) -> None:
-        line = json.dumps(op).encode() + b"\n"
+        line = wire_dumps(op) + b"\n"
         if not self._pending and not now:
             self._loop.call_soon(self._flush)
         self._pending.append(b"%x\r\n%s\r\n" % (len(line), line))
@@ -191,7 +190,7 @@ class WorkerMux:
             async for lines in batches:
                 # The frames of one read, decoded in one call: a decode step's events for
                 # every stream on this worker usually arrive together.
-                frames = json.loads(b"[" + b",".join(lines) + b"]")
+                frames = wire_loads(b"[" + b",".join(lines) + b"]")
                 for frame in frames:
                     stream = streams.get(frame["id"])
                     if stream is None:
@@ -240,6 +239,8 @@ class WorkerMuxes:
         self._auth = f"Bearer {token}".encode()
         self._muxes: dict[tuple[str, int], WorkerMux] = {}
         self._starting: dict[tuple[str, int], asyncio.Task[WorkerMux]] = {}
+        self._keys: dict[str, tuple[str, int]] = {}  # address -> (host, port)
+        self._netlocs: dict[tuple[str, int], str] = {}
 
     @contextlib.asynccontextmanager
     async def generate(
@@ -260,14 +261,17 @@ class WorkerMuxes:
             await mux.aclose()
 
     async def _mux(self, address: str) -> WorkerMux:
-        parts = urlsplit(address)
-        key = (parts.hostname or "127.0.0.1", parts.port or 80)
+        key = self._keys.get(address)
+        if key is None:  # parsed once per address: a request's admission is ~250 us in all
+            parts = urlsplit(address)
+            key = self._keys[address] = (parts.hostname or "127.0.0.1", parts.port or 80)
+            self._netlocs[key] = parts.netloc
         mux = self._muxes.get(key)
         if mux is not None and not mux.closed:
             return mux
         starting = self._starting.get(key)
         if starting is None:  # the first caller connects; the others wait for it
-            starting = asyncio.get_running_loop().create_task(self._start(key, parts.netloc))
+            starting = asyncio.get_running_loop().create_task(self._start(key, self._netlocs[key]))
             self._starting[key] = starting
         return await asyncio.shield(starting)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -32,7 +31,7 @@ from typing import Any, Protocol
 from starlette.types import Receive, Scope, Send
 
 from hotpool.worker.engine.base import RequestRejected
-from hotpool.worker.protocol import GenerateEvent, GenerateRequest
+from hotpool.worker.protocol import GenerateEvent, GenerateRequest, wire_dumps, wire_loads
 from hotpool.worker.service import NotLoaded, WorkerService
 from hotpool.worker.tokenizer import TemplateError
 
@@ -138,7 +137,7 @@ class _Exchange:
     async def _operation(self, line: bytes) -> None:
         op: Any = None
         try:
-            op = json.loads(line)
+            op = wire_loads(line)
             kind = op["op"]
             if kind == "abort":
                 self.mux.service.abort(str(op["request_id"]))
@@ -170,13 +169,11 @@ class _Exchange:
         code: str | None = None,
     ) -> None:
         error = {"status": status, "message": message, "type": kind, "code": code}
-        await self._write(
-            (json.dumps({"id": rid, "error": error}) + "\n").encode() + _end_line(rid)
-        )
+        await self._write(wire_dumps({"id": rid, "error": error}) + b"\n" + _end_line(rid))
 
     async def _generate(self, req: GenerateRequest) -> None:
         rid = req.request_id
-        head = json.dumps({"id": rid})[:-1].encode() + b', "event": '
+        head = wire_dumps({"id": rid})[:-1] + b',"event":'
         events = self.mux.service.generate(req)
         try:
             try:
@@ -193,7 +190,7 @@ class _Exchange:
             while event is not None:
                 if event.finish_reason is not None:
                     self.mux.sink.finished(event.finish_reason)
-                await self._write(head + json.dumps(event.to_json()).encode() + b"}\n")
+                await self._write(head + wire_dumps(event.to_json()) + b"}\n")
                 last, event = event, await anext(events, None)
             # The generator ends without waiting once its last event is out, so this frame
             # leaves in the same write as that event (the transport is corked).
@@ -205,9 +202,7 @@ class _Exchange:
         except Exception as exc:  # a failure mid-stream ends it with an error event
             log.exception("generation %s failed", rid)
             failed = GenerateEvent(finish_reason="error", error=str(exc))
-            await self._write(
-                head + json.dumps(failed.to_json()).encode() + b"}\n" + _end_line(rid)
-            )
+            await self._write(head + wire_dumps(failed.to_json()) + b"}\n" + _end_line(rid))
         finally:
             self.running.pop(rid, None)
             self._wake()
@@ -215,4 +210,4 @@ class _Exchange:
 
 
 def _end_line(rid: str) -> bytes:
-    return (json.dumps({"id": rid, "end": True}) + "\n").encode()
+    return wire_dumps({"id": rid, "end": True}) + b"\n"

@@ -8,8 +8,11 @@ carries its ``finish_reason``, and the stream's last event the request's exact `
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
+
+import orjson
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -17,6 +20,27 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # Model types (a snapshot manifest's ``architecture``, config.json's ``model_type``) that the
 # worker's model code runs; the control plane checks deployments against it without torch.
 RUNNABLE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def wire_dumps(obj: Any) -> bytes:
+    """``obj`` as compact JSON bytes, for the control plane <-> worker streams (every token
+    crosses them): orjson, ~10x faster than ``json.dumps`` for a generate request. A string
+    that orjson refuses (a lone surrogate, which no validated request holds but an error
+    message might) falls back to ``json``, which escapes it."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def wire_loads(data: bytes) -> Any:
+    """The inverse of :func:`wire_dumps` (``ValueError`` for what is not JSON); the escape of
+    a lone surrogate that orjson refuses is read by ``json``."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
 
 MAX_N = 16  # choices one request may ask for
 MAX_LOGPROBS = 20  # top alternatives per position

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -117,3 +118,56 @@ def test_a_clean_close_with_nothing_in_flight_leaves_no_journal(tmp_path: Path) 
     journal.done(["a"])
     journal.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_on_the_event_loop_a_pass_is_written_at_its_end_in_order(tmp_path: Path) -> None:
+    """A burst admitted in one pass of the loop is journalled after it, in one write; what
+    follows in the next pass lands after it, and a crash then finds every line."""
+    journal = InflightJournal(tmp_path, every_tokens=1)
+    journal.start()
+    [path] = tmp_path.glob("inflight.*.jsonl")
+
+    async def burst() -> list[int]:
+        sizes = []
+        for i in range(3):
+            _open(journal, f"r{i}")
+        sizes.append(path.stat().st_size)  # nothing yet: the pass is not over
+        await asyncio.sleep(0)
+        sizes.append(path.stat().st_size)
+        journal.progress("r1", 5, 2, 0)
+        journal.end(UsageRecord("r2", "smollm2", "completions", "completed", 5, 1), 1.0)
+        await asyncio.sleep(0)
+        return sizes
+
+    sizes = asyncio.run(burst())
+    assert sizes[0] == 0 and sizes[1] > 0
+    assert [(x["op"], x.get("request_id")) for x in _lines(tmp_path)][:4] == [
+        ("open", "r0"), ("open", "r1"), ("open", "r2"), ("tokens", "r1"),
+    ]  # fmt: skip
+    crashed = {r.request_id: r for r in _crashed(tmp_path)}
+    assert crashed["r1"].completion_tokens == 2 and crashed["r1"].status == "partial"
+    assert crashed["r2"].status == "completed" and crashed["r0"].status == "error"
+
+
+def test_compaction_on_the_loop_writes_the_snapshot_before_the_old_file_goes(
+    tmp_path: Path,
+) -> None:
+    """sync() removes the retired file from a thread right after compaction: the live
+    requests must already be in the new file then, not waiting for the end of the pass."""
+    journal = InflightJournal(tmp_path, every_tokens=1, compact_after=10)
+    journal.start()
+
+    async def compact() -> None:
+        _open(journal, "live")
+        journal.progress("live", 9, 3, 0)
+        for i in range(10):
+            _open(journal, f"r{i}")
+            journal.done([f"r{i}"])
+        retired = journal.compact_if_due()  # pending lines of this pass included
+        assert retired is not None
+        journal.sync(retired)  # as the thread may, before this pass ends
+        assert not retired.exists()
+        [rec] = _crashed(tmp_path)  # before this pass ends
+        assert (rec.request_id, rec.completion_tokens) == ("live", 3)
+
+    asyncio.run(compact())
