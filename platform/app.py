@@ -214,11 +214,13 @@ def create_app(services: Services) -> Starlette:
             await services.scale_events.close()
 
     routes = [
+        # First: Starlette tries routes in order, a regex match each, on every request;
+        # invocations are nearly all of them (and no other route overlaps theirs).
+        *openai_routes.routes,
         Route("/healthz", healthz),
         Route("/readyz", readyz),
         Route("/metrics", metrics),
         Route("/openapi.json", openapi_json, methods=["GET"]),
-        *openai_routes.routes,
         *deployments_api.routes,
         *invoke_api.routes,
         *usage_api.routes,

@@ -15,7 +15,7 @@ import uvicorn
 from hotpool.billing.db import Database, DatabaseUnavailable, StaleSchema, explained
 from hotpool.billing.deployments import DeploymentSpec, DeploymentStore
 from hotpool.heap import settle_heap
-from hotpool.http_protocol import CorkedHttpToolsProtocol
+from hotpool.http_protocol import HeadCorkedHttpToolsProtocol
 from hotpool.platform.app import build_services, create_app
 from hotpool.pool.backend import WorkerBackend
 from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig, visible_gpus
@@ -170,7 +170,7 @@ def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> Non
         log_config=None,
         timeout_graceful_shutdown=30,
         access_log=False,  # hotpool.access logs each request once it is over (middleware)
-        http=CorkedHttpToolsProtocol,  # a stream's headers and first token in one write
+        http=HeadCorkedHttpToolsProtocol,  # a stream's headers and first token in one write
     )
     ControlPlaneServer(config, services.begin_shutdown).run(sockets=[sock])
 

@@ -63,19 +63,22 @@ async def read_body(request: Request) -> bytes:
     """The request body, or a 413 as soon as it is over MAX_BODY_BYTES: a declared length
     over it is refused before a byte is read, and a chunked body is counted as it comes
     (read whole first, one upload of gigabytes held them all in memory before the check)."""
-    too_large = APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large
+        raise _too_large()
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise too_large
+            raise _too_large()
         chunks.append(chunk)
     body = b"".join(chunks)
     request._body = body  # as Request.body() keeps it, for whoever asks again
     return body
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
 
 
 async def read_json(request: Request) -> Any:
