@@ -10,20 +10,36 @@ between the two, 1.4 ms at p90, inside the time to first token).
 - :class:`CorkedHttpToolsProtocol` (the worker): every write of one pass of the event loop
   is held and sent together at the end of the pass. On the worker's ``/generate/mux`` the
   events of every stream of a decode step leave in one ``send`` that way.
-- :class:`HeadCorkedHttpToolsProtocol` (the control plane): a response head is held until
+- :class:`HeadCorkedHttpToolsProtocol` (the control plane, facing clients): a response head
+  is held until
   the response's first body write, which takes it along (one system call, one wake-up), or
   until the end of the pass if no body comes in it; body writes go out at once. The control
   plane writes to many clients: in a pass that relays a decode step's tokens to 32 streams,
   holding every write to the end of the pass made the first stream's token wait for all 32
-  streams' relay work (~1.5 ms at c=32).
+  streams' relay work (~1.5 ms at c=32). It also bounds a request's head (uvicorn's httptools
+  protocol took a header of any size into memory) and answers a request it cannot parse in
+  the API's error shape, with an ``x-request-id``, where uvicorn wrote a plain-text 400.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+# A request's line and headers together, at most (uvicorn's h11 protocol allows 16 KiB;
+# nginx 32 KiB by default): API keys, a few cookies and proxy headers fit many times over.
+MAX_HEAD_BYTES = 64 * 1024
+
+
+def new_request_id() -> str:
+    """A fresh request id: 128 random bits (as uuid4, less its 6 fixed bits, at a fifth of
+    its cost: every request of a burst waits behind the ones admitted before it)."""
+    return f"req_{os.urandom(16).hex()}"
+
 
 # How every response head that uvicorn writes begins (its status lines; "100 Continue" too).
 # A body write that happens to begin so is held to the end of the pass at worst, never lost.
@@ -84,8 +100,81 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
 
 
 class HeadCorkedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with response heads held for their first body bytes."""
+    """uvicorn's httptools protocol for clients: response heads held for their first body
+    bytes, request heads bounded (431 past ``MAX_HEAD_BYTES``), and the 400 for a request
+    that does not parse as HTTP in the API's error shape."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         corked = CorkedTransport(transport, self.loop, whole_pass=False)
         super().connection_made(corked)  # type: ignore[arg-type]
+        self._head_bytes: int | None = 0  # bytes of a request head so far; None: in a body
+
+    def data_received(self, data: bytes) -> None:
+        in_head = self._head_bytes is not None
+        super().data_received(data)
+        if in_head and self._head_bytes is not None and not self.transport.is_closing():
+            # Still in a head after this read (the parser keeps what it has of it, so this
+            # bounds the memory a head can take); a head that ends in a read is measured
+            # whole in on_headers_complete.
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._head_too_large()
+
+    def on_headers_complete(self) -> None:
+        size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+        if size > MAX_HEAD_BYTES:
+            # Raised out of the parser's callback, which uvicorn answers with
+            # send_400_response (below): no request cycle starts.
+            self._too_large = True
+            raise ValueError("request head too large")
+        self._head_bytes = None
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._head_bytes = 0  # the next request's head, if the connection is kept
+        super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:  # uvicorn: the request does not parse
+        if getattr(self, "_too_large", False):
+            self._head_too_large()
+            return
+        self._refuse(
+            400, b"Bad Request",
+            "the request is not valid HTTP/1.1 (a malformed request line or header, or a URL"
+            " that is too long)",
+            "invalid_http_request",
+        )  # fmt: skip
+
+    def _head_too_large(self) -> None:
+        self._refuse(
+            431, b"Request Header Fields Too Large",
+            f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes",
+            "request_headers_too_large",
+        )  # fmt: skip
+
+    def _refuse(self, status: int, reason: bytes, message: str, code: str) -> None:
+        """Answer ``status`` with an OpenAI-style error body and close the connection."""
+        body = json.dumps(
+            {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": code,
+                }
+            }
+        ).encode()
+        rid = new_request_id().encode()
+        head = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"x-request-id: " + rid + b"\r\nx-hotpool-request-id: " + rid + b"\r\n",
+            b"connection: close\r\n\r\n",
+            body,
+        ]
+        self._head_bytes = None
+        self.transport.write(b"".join(head))
+        self.transport.close()

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from urllib.parse import quote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from hotpool.http_protocol import new_request_id
 from hotpool.platform.errors import APIError
 
 log = logging.getLogger("hotpool.api")
@@ -21,12 +21,6 @@ QUIET_PREFIXES = ("/internal/workers/",)
 
 # What a client may send as its own x-request-id: short, printable, no spaces.
 CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+=-]{0,63}$")
-
-
-def new_request_id() -> str:
-    # 128 random bits, as uuid4 (less its 6 fixed bits) but a fifth of its cost: every
-    # request of a burst waits behind the ones admitted before it.
-    return f"req_{os.urandom(16).hex()}"
 
 
 class RequestIdMiddleware:

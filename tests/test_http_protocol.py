@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from starlette.types import Receive, Scope, Send
+from uvicorn.server import ServerState
 from uvicorn_thread import uvicorn_in_thread
 
 from hotpool.http_protocol import (
+    MAX_HEAD_BYTES,
     CorkedHttpToolsProtocol,
     CorkedTransport,
     HeadCorkedHttpToolsProtocol,
@@ -125,3 +131,90 @@ def test_a_connection_close_request_gets_its_whole_body(protocol: type) -> None:
         r = httpx.post(f"{url}/3", headers={"connection": "close"})
         assert r.status_code == 200
         assert r.text == "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+
+
+async def _echo(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"%d" % len(body)})
+
+
+def _raw(url: str, parts: list[bytes], pause_s: float = 0.0) -> bytes:
+    """Send ``parts`` on a fresh connection (stopping when the server closes it) and read
+    the answer to the end."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        for part in parts:
+            try:
+                s.sendall(part)
+            except OSError:  # the server answered and closed: read what it said
+                break
+            time.sleep(pause_s)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def _error(answer: bytes) -> tuple[int, dict[str, str], dict[str, Any]]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, json.loads(body)["error"]
+
+
+def test_client_facing_protocol_answers_bad_requests_and_huge_heads_in_the_api_shape() -> None:
+    with uvicorn_in_thread(_echo, http=HeadCorkedHttpToolsProtocol) as url:
+        status, headers, error = _error(_raw(url, [b"NOT HTTP AT ALL\r\n\r\n"]))
+        assert status == 400 and error["code"] == "invalid_http_request"
+        assert error["type"] == "invalid_request_error"
+        assert headers["x-request-id"].startswith("req_") and headers["connection"] == "close"
+
+        big = b"x-big: " + b"b" * (MAX_HEAD_BYTES + 1) + b"\r\n"
+        # In one read (the head is measured whole) and in many (counted as it comes: the
+        # server answers before the client has sent it all, holding at most one read more).
+        one = _raw(url, [b"GET / HTTP/1.1\r\nhost: x\r\n" + big + b"\r\n"])
+        assert _error(one)[0] == 431 and _error(one)[2]["code"] == "request_headers_too_large"
+        drip = [b"GET / HTTP/1.1\r\nhost: x\r\nx-big: "] + [b"b" * 16384] * 200
+        assert _error(_raw(url, drip, pause_s=0.002))[0] == 431
+
+        # A head under the bound with a large body behind it (in the same reads): fine, and
+        # a kept-alive connection's next request starts a fresh count.
+        request = (
+            b"POST / HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-h: " + b"h" * 40_000 + b"\r\n"
+            b"content-length: 300000\r\n\r\n" + b"y" * 300_000
+        )
+        with httpx.Client(base_url=url) as client:
+            for _ in range(3):
+                r = client.post("/", content=b"y" * 300_000, headers={"x-h": "h" * 40_000})
+                assert r.status_code == 200 and r.text == "300000"
+        answer = _raw(url, [request[:70_000], request[70_000:]])
+        assert answer.startswith(b"HTTP/1.1 200") and b"\r\n300000\r\n" in answer
+
+
+def test_a_huge_head_in_one_read_is_measured_whole() -> None:
+    """A head past the bound that arrives in one read (so never counted read by read) is
+    refused when it completes, before any request cycle starts."""
+
+    async def run() -> list[bytes]:
+        config = uvicorn.Config(_echo, log_level="critical")
+        config.load()
+        protocol = HeadCorkedHttpToolsProtocol(config, ServerState(), app_state={})
+        fake = FakeTransport()
+        protocol.connection_made(fake)  # type: ignore[arg-type]
+        big = b"x-big: " + b"b" * MAX_HEAD_BYTES + b"\r\n"
+        protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\n" + big + b"\r\n")
+        await asyncio.sleep(0)
+        assert fake.closed and not protocol.tasks  # answered, and no app was called
+        return fake.writes
+
+    [answer] = asyncio.run(run())
+    status, _, error = _error(answer)
+    assert status == 431 and error["code"] == "request_headers_too_large"
