@@ -108,6 +108,7 @@ class HeadCorkedHttpToolsProtocol(HttpToolsProtocol):
         corked = CorkedTransport(transport, self.loop, whole_pass=False)
         super().connection_made(corked)  # type: ignore[arg-type]
         self._head_bytes: int | None = 0  # bytes of a request head so far; None: in a body
+        self._too_large = False  # the head just parsed is over MAX_HEAD_BYTES
 
     def data_received(self, data: bytes) -> None:
         in_head = self._head_bytes is not None
@@ -135,7 +136,7 @@ class HeadCorkedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:  # uvicorn: the request does not parse
-        if getattr(self, "_too_large", False):
+        if self._too_large:
             self._head_too_large()
             return
         self._refuse(

@@ -239,8 +239,8 @@ class WorkerMuxes:
         self._auth = f"Bearer {token}".encode()
         self._muxes: dict[tuple[str, int], WorkerMux] = {}
         self._starting: dict[tuple[str, int], asyncio.Task[WorkerMux]] = {}
-        self._keys: dict[str, tuple[str, int]] = {}  # address -> (host, port)
-        self._netlocs: dict[tuple[str, int], str] = {}
+        # address -> ((host, port), netloc)
+        self._addresses: dict[str, tuple[tuple[str, int], str]] = {}
 
     @contextlib.asynccontextmanager
     async def generate(
@@ -261,20 +261,20 @@ class WorkerMuxes:
             await mux.aclose()
 
     async def _mux(self, address: str) -> WorkerMux:
-        key = self._keys.get(address)
-        if key is None:  # parsed once per address: a request's admission is ~150 us in all
-            if len(self._keys) >= 1024:  # workers come and go with new ports: stay bounded
-                self._keys.clear()
-                self._netlocs.clear()
+        parsed = self._addresses.get(address)
+        if parsed is None:  # parsed once per address: a request's admission is ~150 us in all
+            if len(self._addresses) >= 1024:  # workers come and go with new ports: bounded
+                self._addresses.clear()
             parts = urlsplit(address)
-            key = self._keys[address] = (parts.hostname or "127.0.0.1", parts.port or 80)
-            self._netlocs[key] = parts.netloc
+            key = (parts.hostname or "127.0.0.1", parts.port or 80)
+            parsed = self._addresses[address] = (key, parts.netloc)
+        key, netloc = parsed
         mux = self._muxes.get(key)
         if mux is not None and not mux.closed:
             return mux
         starting = self._starting.get(key)
         if starting is None:  # the first caller connects; the others wait for it
-            starting = asyncio.get_running_loop().create_task(self._start(key, self._netlocs[key]))
+            starting = asyncio.get_running_loop().create_task(self._start(key, netloc))
             self._starting[key] = starting
         return await asyncio.shield(starting)
 
