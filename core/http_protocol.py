@@ -1,4 +1,4 @@
-"""uvicorn's HTTP protocol with corked writes, in two kinds.
+"""uvicorn's HTTP protocol with each response's head held for its first body bytes.
 
 uvicorn writes a response's status line and headers as soon as the app sends
 ``http.response.start``, and each body message in a write of its own. A token stream's
@@ -7,18 +7,22 @@ machine the first wake-up lets the client's process take the core while the serv
 has the first token to write (measured on the control plane: 0.24 ms at the median
 between the two, 1.4 ms at p90, inside the time to first token).
 
-- :class:`CorkedHttpToolsProtocol` (the worker): every write of one pass of the event loop
-  is held and sent together at the end of the pass. On the worker's ``/generate/mux`` the
-  events of every stream of a decode step leave in one ``send`` that way.
-- :class:`HeadCorkedHttpToolsProtocol` (the control plane, facing clients): a response head
-  is held until
-  the response's first body write, which takes it along (one system call, one wake-up), or
-  until the end of the pass if no body comes in it; body writes go out at once. The control
-  plane writes to many clients: in a pass that relays a decode step's tokens to 32 streams,
-  holding every write to the end of the pass made the first stream's token wait for all 32
-  streams' relay work (~1.5 ms at c=32). It also bounds a request's head (uvicorn's httptools
-  protocol took a header of any size into memory) and answers a request it cannot parse in
-  the API's error shape, with an ``x-request-id``, where uvicorn wrote a plain-text 400.
+:class:`HeadCorkedHttpToolsProtocol` holds a response head until the response's first body
+write, which takes it along (one system call, one wake-up), or until the end of the event
+loop's pass if no body comes in it; body writes go out at once. Both processes use it:
+
+- the control plane writes to many clients: in a pass that relays a decode step's tokens to
+  32 streams, holding every write to the end of the pass made the first stream's token wait
+  for all 32 streams' relay work (~1.5 ms at c=32);
+- the worker's ``/generate/mux`` carries every stream on one connection. Held to the end of
+  the pass, a step's 32 events left in one ``send``, and the control plane began relaying
+  the first only once the worker had encoded the last; sent as each is encoded, the two
+  processes work on them side by side (``benchmarks/bench_gateway.py`` at c=32, A/B in one
+  run: the gateway's TTFT p50 1.9-2.1 ms lower, its total time no worse).
+
+It also bounds a request's head (uvicorn's httptools protocol took a header of any size into
+memory) and answers a request it cannot parse in the API's error shape, with an
+``x-request-id``, where uvicorn wrote a plain-text 400.
 """
 
 from __future__ import annotations
@@ -47,19 +51,16 @@ _HEAD = b"HTTP/1.1 "
 
 
 class CorkedTransport:
-    """``transport``, with writes held: until the end of the event loop's pass
-    (``whole_pass``), or only response heads, until the response's first body write."""
+    """``transport``, with each response head held until the response's first body write
+    (or the end of the event loop's pass)."""
 
-    def __init__(
-        self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, whole_pass: bool = True
-    ) -> None:
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
-        self._whole_pass = whole_pass
         self._parts: list[bytes] = []  # held, not written yet
 
     def write(self, data: bytes) -> None:
-        if self._whole_pass or data.startswith(_HEAD):  # uvicorn writes a head whole
+        if data.startswith(_HEAD):  # uvicorn writes a head whole
             if not self._parts:
                 self._loop.call_soon(self._flush)  # the end of this pass at the latest
             self._parts.append(data)
@@ -92,20 +93,13 @@ class CorkedTransport:
         return getattr(self._transport, name)
 
 
-class CorkedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol on a :class:`CorkedTransport` (``Config(http=...)``)."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(CorkedTransport(transport, self.loop))  # type: ignore[arg-type]
-
-
 class HeadCorkedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol for clients: response heads held for their first body
-    bytes, request heads bounded (431 past ``MAX_HEAD_BYTES``), and the 400 for a request
-    that does not parse as HTTP in the API's error shape."""
+    """uvicorn's httptools protocol (``Config(http=...)``): response heads held for their
+    first body bytes, request heads bounded (431 past ``MAX_HEAD_BYTES``), and the 400 for a
+    request that does not parse as HTTP in the API's error shape."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        corked = CorkedTransport(transport, self.loop, whole_pass=False)
+        corked = CorkedTransport(transport, self.loop)
         super().connection_made(corked)  # type: ignore[arg-type]
         self._head_bytes: int | None = 0  # bytes of a request head so far; None: in a body
         self._too_large = False  # the head just parsed is over MAX_HEAD_BYTES

@@ -92,11 +92,9 @@ class ChunkStream:
                 await send({"type": "http.response.body", "body": chunk, "more_body": not last})
                 if last:
                     ended = True
-                    state.armed = False  # the end is out: a disconnect now is no news
-                    # One pass of the loop, so that the corked write of the end leaves now:
-                    # the rest of the iterator is its cleanup (the request's accounting, a
-                    # log line), which the client should not wait for.
-                    await asyncio.sleep(0)
+                    # The end is out (written at once: hotpool.http_protocol); what the
+                    # iterator does next is its cleanup, and a disconnect now is no news.
+                    state.armed = False
             if not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:

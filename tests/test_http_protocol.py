@@ -1,4 +1,4 @@
-"""hotpool.http_protocol: uvicorn's HTTP protocol with the writes of one loop pass joined."""
+"""hotpool.http_protocol: uvicorn's HTTP protocol with each response head held for its body."""
 
 from __future__ import annotations
 
@@ -10,18 +10,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 from uvicorn.server import ServerState
 from uvicorn_thread import uvicorn_in_thread
 
-from hotpool.http_protocol import (
-    MAX_HEAD_BYTES,
-    CorkedHttpToolsProtocol,
-    CorkedTransport,
-    HeadCorkedHttpToolsProtocol,
-)
+from hotpool.http_protocol import MAX_HEAD_BYTES, CorkedTransport, HeadCorkedHttpToolsProtocol
 from hotpool.streaming import ChunkStream, Last
 
 
@@ -46,35 +40,32 @@ class FakeTransport:
         return ("127.0.0.1", 1234) if name == "peername" else None
 
 
-def test_writes_of_one_loop_pass_leave_in_one_write_and_close_flushes_first() -> None:
-    async def run() -> FakeTransport:
+def test_a_held_head_leaves_before_the_close_and_the_rest_is_the_transports() -> None:
+    async def run() -> None:
         fake = FakeTransport()
         corked = CorkedTransport(fake, asyncio.get_running_loop())  # type: ignore[arg-type]
         corked.write(b"HTTP/1.1 200 OK\r\n\r\n")
-        corked.write(b"5\r\nhello\r\n")
-        assert fake.writes == [] and corked.get_write_buffer_size() == 29
-        await asyncio.sleep(0)  # the end of the pass
-        assert fake.writes == [b"HTTP/1.1 200 OK\r\n\r\n5\r\nhello\r\n"]
-        corked.write(b"0\r\n\r\n")
+        assert fake.writes == [] and corked.get_write_buffer_size() == 19
         corked.close()  # nothing written is lost behind the close
-        assert fake.writes[-1] == b"0\r\n\r\n" and fake.closed
+        assert fake.writes == [b"HTTP/1.1 200 OK\r\n\r\n"] and fake.closed
         assert corked.get_extra_info("peername") == ("127.0.0.1", 1234)  # the rest: as is
         await asyncio.sleep(0)
-        assert len(fake.writes) == 2  # the scheduled flush found nothing left
-        return fake
+        assert len(fake.writes) == 1  # the scheduled flush found nothing left
 
     asyncio.run(run())
 
 
 def test_head_corked_a_head_leaves_with_its_first_body_and_bodies_leave_at_once() -> None:
-    """The control plane's kind: a stream's head and first chunk in one write, and each
-    chunk of a fan-out written as soon as it is made, not at the end of the pass."""
+    """A stream's head and first chunk in one write, and each chunk written as soon as it
+    is made, not at the end of the pass: the control plane's fan-out to 32 clients, and the
+    frames of the worker's mux, which the control plane relays while the worker encodes
+    the next."""
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
         a, b = FakeTransport(), FakeTransport()
-        ca = CorkedTransport(a, loop, whole_pass=False)  # type: ignore[arg-type]
-        cb = CorkedTransport(b, loop, whole_pass=False)  # type: ignore[arg-type]
+        ca = CorkedTransport(a, loop)  # type: ignore[arg-type]
+        cb = CorkedTransport(b, loop)  # type: ignore[arg-type]
         ca.write(b"HTTP/1.1 200 OK\r\n\r\n")
         assert a.writes == [] and ca.get_write_buffer_size() == 19
         ca.write(b"5\r\nhello\r\n")
@@ -104,15 +95,9 @@ async def _app(scope: Scope, receive: Receive, send: Send) -> None:
     await ChunkStream(chunks(), "text/event-stream")(scope, receive, send)
 
 
-PROTOCOLS = pytest.mark.parametrize(
-    "protocol", [CorkedHttpToolsProtocol, HeadCorkedHttpToolsProtocol], ids=["pass", "head"]
-)
-
-
-@PROTOCOLS
-def test_streams_over_one_kept_alive_connection_keep_their_framing(protocol: type) -> None:
+def test_streams_over_one_kept_alive_connection_keep_their_framing() -> None:
     with (
-        uvicorn_in_thread(_app, http=protocol) as url,
+        uvicorn_in_thread(_app, http=HeadCorkedHttpToolsProtocol) as url,
         httpx.Client(base_url=url) as client,
     ):
         for n in (0, 1, 5, 20):
@@ -125,9 +110,8 @@ def test_streams_over_one_kept_alive_connection_keep_their_framing(protocol: typ
         assert len(pool.connections) == 1
 
 
-@PROTOCOLS
-def test_a_connection_close_request_gets_its_whole_body(protocol: type) -> None:
-    with uvicorn_in_thread(_app, http=protocol) as url:
+def test_a_connection_close_request_gets_its_whole_body() -> None:
+    with uvicorn_in_thread(_app, http=HeadCorkedHttpToolsProtocol) as url:
         r = httpx.post(f"{url}/3", headers={"connection": "close"})
         assert r.status_code == 200
         assert r.text == "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n"

@@ -16,7 +16,7 @@ import pytest
 from starlette.types import Receive, Scope, Send
 from uvicorn_thread import uvicorn_in_thread
 
-from hotpool.http_protocol import CorkedHttpToolsProtocol, HeadCorkedHttpToolsProtocol
+from hotpool.http_protocol import HeadCorkedHttpToolsProtocol
 from hotpool.streaming import ChunkStream, Last
 
 SCOPE: Scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
@@ -153,15 +153,15 @@ def test_an_error_in_the_iterator_reaches_the_server() -> None:
 @pytest.mark.parametrize("blocking", [False, True], ids=["awaiting", "blocking"])
 @pytest.mark.parametrize(
     "protocol",
-    [None, CorkedHttpToolsProtocol, HeadCorkedHttpToolsProtocol],
-    ids=["uvicorn", "corked", "head-corked"],
+    [None, HeadCorkedHttpToolsProtocol],
+    ids=["uvicorn", "head-corked"],
 )
 def test_over_http_the_client_has_the_whole_body_before_the_cleanup_ends(
     protocol: type | None, blocking: bool
 ) -> None:
-    # The servers hold writes (hotpool.http_protocol: the worker a loop pass's, the control
-    # plane a head), and a request's accounting after the end of its stream (ledger,
-    # metrics, a log line) may run without awaiting: the end must leave before it.
+    # The servers hold a response's head (hotpool.http_protocol), and a request's accounting
+    # after the end of its stream (ledger, metrics, a log line) may run without awaiting:
+    # the end must leave before it.
     cleanup_s = 0.5
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:

@@ -21,7 +21,7 @@ import torch
 import uvicorn
 
 from hotpool.heap import settle_heap
-from hotpool.http_protocol import CorkedHttpToolsProtocol
+from hotpool.http_protocol import HeadCorkedHttpToolsProtocol
 from hotpool.worker.engine.llm_engine import EngineConfig
 from hotpool.worker.host_cache import HostModelCache
 from hotpool.worker.protocol import WorkerInfo
@@ -101,7 +101,7 @@ async def _main(opts: WorkerOptions) -> None:
         log_config=None,  # uvicorn's lines through the worker's handler (text or JSON)
         access_log=False,
         timeout_graceful_shutdown=10,
-        http=CorkedHttpToolsProtocol,  # a stream's headers and first token in one write
+        http=HeadCorkedHttpToolsProtocol,  # a head leaves with its first body bytes
     )
     server = uvicorn.Server(config)
 

@@ -11,10 +11,12 @@ tagged with the request it belongs to:
   ← {"id": "...", "end": true}                          nothing more for that request
 
 Why: with one connection per request, each decode step of a batch of 32 streams cost the
-worker 32 ``send`` calls and the control plane 32 wake-ups and ``recv`` calls. Here the
-events of every stream that one pass of the event loop produces leave in one write. The
-control plane ending its request body means "no more requests": the running ones finish,
-then the response ends. A lost connection aborts everything it was running.
+control plane 32 wake-ups and ``recv`` calls, and each request a connection. Here every
+event leaves as soon as it is encoded (``hotpool.http_protocol``: the control plane relays
+the first streams' events while the worker still encodes the rest of the step's), and the
+control plane's reader takes whatever has arrived in one ``recv``. The control plane ending
+its request body means "no more requests": the running ones finish, then the response ends.
+A lost connection aborts everything it was running.
 
 While the worker is shutting down (``stopping()``), new generations are refused with 503
 and the exchange ends as soon as nothing runs on it, so it never holds up the shutdown.
@@ -66,10 +68,9 @@ class _Exchange:
     """One open ``/generate/mux``: its running requests.
 
     Each generation writes its own frames (one ASGI ``send`` per event, as ``/generate``
-    does); the worker's corked transport (``hotpool.http_protocol``) joins what every
-    stream wrote in one pass of the event loop into one ``send`` system call. A writer task
-    in between would cost each event one more pass of the loop, and on a worker each pass
-    can wait for the GIL behind the engine thread's step."""
+    does), each leaving at once. A writer task in between would cost each event one more
+    pass of the loop, and on a worker each pass can wait for the GIL behind the engine
+    thread's step."""
 
     def __init__(self, mux: Multiplexer, send: Send) -> None:
         self.mux = mux
@@ -192,8 +193,6 @@ class _Exchange:
                     self.mux.sink.finished(event.finish_reason)
                 await self._write(head + wire_dumps(event.to_json()) + b"}\n")
                 last, event = event, await anext(events, None)
-            # The generator ends without waiting once its last event is out, so this frame
-            # leaves in the same write as that event (the transport is corked).
             await self._write(_end_line(rid))
             if last is not None and last.usage is not None:
                 self.mux.sink.usage(last.usage.prompt_tokens, last.usage.completion_tokens)

@@ -17,7 +17,7 @@ import torch
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn_thread import uvicorn_in_thread
 
-from hotpool.http_protocol import CorkedHttpToolsProtocol
+from hotpool.http_protocol import HeadCorkedHttpToolsProtocol
 from hotpool.platform.worker_mux import WorkerMuxes, WorkerRefused
 from hotpool.worker.engine.llm_engine import EngineConfig
 from hotpool.worker.protocol import GenerateEvent, GenerateRequest, LoadRequest, SamplingParams
@@ -80,7 +80,7 @@ def worker(
         build_worker_app(service, TOKEN, "w-mux", lambda: holder.stopping), holder.connections
     )
     try:
-        with uvicorn_in_thread(app, http=CorkedHttpToolsProtocol) as url:
+        with uvicorn_in_thread(app, http=HeadCorkedHttpToolsProtocol) as url:
             holder.url = url
             yield holder
     finally:
@@ -183,6 +183,10 @@ def test_a_stopping_worker_refuses_new_work_with_503_and_ends_the_exchange(
     async def scenario(muxes: WorkerMuxes) -> tuple[int, bool]:
         await _run(muxes, worker.url, "before", "Hi", 2)  # an exchange is open
         (mux,) = muxes._muxes.values()
+        # The end frame leaves before the worker forgets the generation: once it has, an
+        # idle exchange looks at `stopping` only every STOP_POLL_S, so "after" lands first.
+        await worker.idle_soon()
+        await asyncio.sleep(0.05)
         worker.stopping = True
         try:
             with pytest.raises(WorkerRefused) as refused:

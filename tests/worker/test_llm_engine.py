@@ -284,6 +284,34 @@ def test_async_engine_streams_and_aborts_when_the_consumer_leaves() -> None:
     asyncio.run(main())
 
 
+def test_async_engine_wakes_the_loop_once_per_step_for_all_its_streams() -> None:
+    """Eight streams decoding together: each step's outputs reach the event loop in one
+    hand-over (one self-pipe write and GIL hand-off), not one per stream."""
+
+    async def main() -> tuple[int, int, list[int]]:
+        loop = asyncio.get_running_loop()
+        handovers = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kw):  # type: ignore[no-untyped-def]
+            nonlocal handovers
+            handovers += 1
+            return original(callback, *args, **kw)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        engine = AsyncEngine(_engine())
+        try:
+            requests = [_req(f"r{i}", [1, 2, 3, i + 4], max_tokens=6) for i in range(8)]
+            outs = [o async for o in engine.generate_many(requests)]
+            return handovers, engine.engine.stats().num_steps, [len(o.new_token_ids) for o in outs]
+        finally:
+            engine.shutdown()
+
+    handovers, steps, tokens = asyncio.run(main())
+    assert tokens == [1] * 48  # every stream's six tokens arrived
+    assert 0 < handovers <= steps  # one per step; one per output made it 48
+
+
 def test_stats_report_load() -> None:
     engine = _engine(max_num_seqs=2)
     for i in range(4):

@@ -30,6 +30,11 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -127,6 +132,18 @@ class AsyncEngine:
             self._ops.append(op)
             self._cond.notify()
 
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their event loops: one wake-up per loop and step, not
+        one per output (each ``call_soon_threadsafe`` writes to the loop's self-pipe, a
+        system call made while the loop thread waits for this one's GIL)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -147,10 +164,7 @@ class AsyncEngine:
                     self.engine.abort(rid)
                     stream.put(exc)
                 continue
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
+            self._publish(outputs)
         err = EngineDead("the engine was shut down")
         for stream in self._streams.values():
             stream.put(err)
