@@ -34,6 +34,7 @@ from hotpool.platform import (
 from hotpool.platform.auth import Authenticator
 from hotpool.platform.catalog import DeploymentCatalog
 from hotpool.platform.errors import EXCEPTION_HANDLERS
+from hotpool.platform.hot_routes import ControlPlaneApp
 from hotpool.platform.invoke import Invoker
 from hotpool.platform.ledger_writer import LedgerWriter
 from hotpool.platform.metrics import Metrics
@@ -214,8 +215,6 @@ def create_app(services: Services) -> Starlette:
             await services.scale_events.close()
 
     routes = [
-        # First: Starlette tries routes in order, a regex match each, on every request;
-        # invocations are nearly all of them (and no other route overlaps theirs).
         *openai_routes.routes,
         Route("/healthz", healthz),
         Route("/readyz", readyz),
@@ -230,9 +229,12 @@ def create_app(services: Services) -> Starlette:
         *prices_api.routes,
         *internal_api.routes,
     ]
-    app = Starlette(
+    auth_off = not services.auth.enabled
+    app = ControlPlaneApp(
+        hot=openai_routes.invocations,
+        auth_off=auth_off,
         routes=routes,
-        middleware=[Middleware(RequestIdMiddleware, auth_off=not services.auth.enabled)],
+        middleware=[Middleware(RequestIdMiddleware, auth_off=auth_off)],
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=lifespan,
     )

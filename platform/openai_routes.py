@@ -247,9 +247,11 @@ async def get_model(request: Request) -> Response:
     return JSONResponse(model_json(spec))
 
 
+# The invocations (POST): served past Starlette's routing (hotpool.platform.hot_routes).
+invocations = {"/v1/chat/completions": chat_completions, "/v1/completions": completions}
+
 routes = [
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/completions", completions, methods=["POST"]),
+    *(Route(path, handler, methods=["POST"]) for path, handler in invocations.items()),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model:path}", get_model, methods=["GET"]),
 ]

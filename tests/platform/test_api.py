@@ -174,6 +174,45 @@ def test_wrong_method_is_an_openai_405(client: TestClient) -> None:
     assert r.headers["allow"] == "GET, HEAD, POST"
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_bug_under_an_invocation_is_an_openai_500_with_its_ids_and_its_log_lines(
+    client: TestClient,
+    services: Services,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    path: str,
+) -> None:
+    # The invocations skip Starlette's stack (hotpool.platform.hot_routes): what its error
+    # middleware did for them is still done.
+    def broken(name: str) -> None:
+        raise RuntimeError("catalog exploded")
+
+    monkeypatch.setattr(services.catalog, "get", broken)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}
+    if path.endswith("/completions") and "chat" not in path:
+        body.pop("messages")
+    else:
+        body.pop("prompt")
+    with caplog.at_level(logging.INFO):
+        r = client.post(path, json=body, headers={"x-request-id": "trace-7"})
+    err = error_of(r, 500)
+    assert err["type"] == "api_error" and "bug in hotpool" in err["message"]
+    assert "catalog exploded" not in r.text  # the details go to the log, not the client
+    assert r.headers["x-request-id"] == "trace-7"
+    key = r.headers["x-hotpool-request-id"]
+    [bug] = [rec for rec in caplog.records if rec.levelno == logging.ERROR]
+    assert key in bug.getMessage() and "catalog exploded" in caplog.text
+    [line] = [rec for rec in caplog.records if rec.name == "hotpool.access"]
+    assert (line.method, line.path, line.status) == ("POST", path, 500)  # type: ignore[attr-defined]
+
+
+def test_an_invocation_path_with_a_trailing_slash_is_redirected_as_any_route(
+    client: TestClient,
+) -> None:
+    r = client.post("/v1/completions/", json={}, follow_redirects=False)
+    assert r.status_code == 307 and r.headers["location"].endswith("/v1/completions")
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/deployments"])
 def test_invalid_and_empty_json_bodies_are_400(client: TestClient, path: str) -> None:
     err = error_of(client.post(path, content=b'{"model": '), 400)
