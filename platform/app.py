@@ -229,12 +229,10 @@ def create_app(services: Services) -> Starlette:
         *prices_api.routes,
         *internal_api.routes,
     ]
-    auth_off = not services.auth.enabled
     app = ControlPlaneApp(
         hot=openai_routes.invocations,
-        auth_off=auth_off,
         routes=routes,
-        middleware=[Middleware(RequestIdMiddleware, auth_off=auth_off)],
+        middleware=[Middleware(RequestIdMiddleware, auth_off=not services.auth.enabled)],
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=lifespan,
     )

@@ -3,10 +3,11 @@ long-lived connection per worker carrying every generation the control plane run
 
 A generation is one ``generate`` operation written on the connection's request body and,
 back, the frames tagged with its request id, dispatched by one reader task per connection
-to the :class:`MuxStream` of that request. The events of all the streams that a worker's
-decode step produced arrive in one read (one wake-up, one ``recv``) where one connection
-per request took one each; what the control plane writes in one pass of its event loop
-(several new requests, an abort) leaves in one write.
+to the :class:`MuxStream` of that request. The worker sends each event as it is encoded;
+the reader takes whatever has arrived by the time it runs (while it relays a step's first
+events, the rest arrive) in one ``recv`` and one decode, where one connection per request
+took a wake-up and a ``recv`` each. A new request is written at once; what else the control
+plane writes in one pass of its event loop (aborts) leaves in one write.
 
 Failures keep the per-request client's contract (:mod:`hotpool.platform.worker_stream`):
 a connection that cannot be made raises ``httpx.ConnectError``, one lost mid-way raises
@@ -188,8 +189,7 @@ class WorkerMux:
         streams = self._streams
         try:
             async for lines in batches:
-                # The frames of one read, decoded in one call: a decode step's events for
-                # every stream on this worker usually arrive together.
+                # The frames of one read (all that had arrived), decoded in one call.
                 frames = wire_loads(b"[" + b",".join(lines) + b"]")
                 for frame in frames:
                     stream = streams.get(frame["id"])

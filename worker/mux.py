@@ -158,6 +158,7 @@ class _Exchange:
             await self._refuse(rid, 409, f"request {rid} is already running here", "conflict")
         elif self.mux.stopping():
             await self._refuse(rid, 503, "the worker is shutting down", "unavailable")
+            self._wake()  # nothing may run any more: the exchange can end now, not at a poll
         else:
             self.running[rid] = asyncio.ensure_future(self._generate(req))
 

@@ -950,3 +950,20 @@ def test_server_errors_are_openai_shaped_500s(broken_client: TestClient) -> None
 
 def test_server_errors_carry_a_request_id(broken_client: TestClient) -> None:
     assert broken_client.get("/v1/models").headers.get("x-request-id", "").startswith("req_")
+
+
+def test_the_invocations_are_served_past_starlettes_routing(client: TestClient) -> None:
+    app = client.app
+    stack = app.middleware_stack  # type: ignore[attr-defined]
+
+    async def refuse(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("went through Starlette's stack")
+
+    app.middleware_stack = refuse  # type: ignore[attr-defined]
+    try:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            r = client.post(path, content=b"{")
+            assert "not valid JSON" in error_of(r, 400)["message"]
+            assert r.headers["x-request-id"].startswith("req_")
+    finally:
+        app.middleware_stack = stack  # type: ignore[attr-defined]

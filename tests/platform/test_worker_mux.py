@@ -19,6 +19,7 @@ from uvicorn_thread import uvicorn_in_thread
 
 from hotpool.http_protocol import HeadCorkedHttpToolsProtocol
 from hotpool.platform.worker_mux import WorkerMuxes, WorkerRefused
+from hotpool.worker import mux as worker_mux_server
 from hotpool.worker.engine.llm_engine import EngineConfig
 from hotpool.worker.protocol import GenerateEvent, GenerateRequest, LoadRequest, SamplingParams
 from hotpool.worker.server import build_worker_app
@@ -178,13 +179,17 @@ def test_a_lost_connection_fails_its_streams_and_the_next_request_reconnects(
 
 
 def test_a_stopping_worker_refuses_new_work_with_503_and_ends_the_exchange(
-    worker: Worker,
+    worker: Worker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # An idle exchange looks at `stopping` when woken, or every STOP_POLL_S: here only the
+    # refusal of "after" can wake it, so "after" is sure to reach it first.
+    monkeypatch.setattr(worker_mux_server, "STOP_POLL_S", 60.0)
+
     async def scenario(muxes: WorkerMuxes) -> tuple[int, bool]:
         await _run(muxes, worker.url, "before", "Hi", 2)  # an exchange is open
         (mux,) = muxes._muxes.values()
-        # The end frame leaves before the worker forgets the generation: once it has, an
-        # idle exchange looks at `stopping` only every STOP_POLL_S, so "after" lands first.
+        # The client has the end frame just before the worker's exchange looks at
+        # `stopping` once more (when it forgets "before"): let that look find it false.
         await worker.idle_soon()
         await asyncio.sleep(0.05)
         worker.stopping = True

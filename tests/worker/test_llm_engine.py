@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import pytest
@@ -310,6 +312,34 @@ def test_async_engine_wakes_the_loop_once_per_step_for_all_its_streams() -> None
     handovers, steps, tokens = asyncio.run(main())
     assert tokens == [1] * 48  # every stream's six tokens arrived
     assert 0 < handovers <= steps  # one per step; one per output made it 48
+
+
+def test_async_engine_outlives_an_event_loop_closed_under_its_stream() -> None:
+    """A loop that ends with a stream still open (its outputs have nowhere to go) must not
+    take the engine thread down with it: the next caller's request still runs."""
+    engine = AsyncEngine(_engine())
+    try:
+
+        async def start() -> None:
+            stream = engine.generate(_req("orphan", [1, 2, 3], max_tokens=60, temperature=1.0))
+            await anext(stream)  # and never closed: the loop goes away under it
+
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(start())
+        loop.close()
+        time.sleep(0.1)  # the engine goes on with "orphan", handing outputs to a closed loop
+
+        async def next_caller() -> list[RequestOutput]:
+            stream = engine.generate(_req("next", [1, 2, 3], max_tokens=3))
+            return await asyncio.wait_for(_collect(stream), 30)
+
+        assert [len(o.new_token_ids) for o in asyncio.run(next_caller())] == [1, 1, 1]
+    finally:
+        engine.shutdown()
+
+
+async def _collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [o async for o in stream]
 
 
 def test_stats_report_load() -> None:

@@ -8,9 +8,11 @@ queue of operations and get outputs back on per-request asyncio queues.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from hotpool.worker.engine.base import Engine, EngineRequest, RequestOutput
 
@@ -27,7 +29,14 @@ class _Stream:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        _hand_over(self.loop, self.queue.put_nowait, item)
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    # A closed loop (RuntimeError) has nobody waiting for these any more, and the engine
+    # thread must not die of it: the other loops' requests go on.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, *args)
 
 
 def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
@@ -142,7 +151,7 @@ class AsyncEngine:
             if stream is not None:
                 batches.setdefault(stream.loop, []).append((stream, out))
         for loop, items in batches.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            _hand_over(loop, _deliver, items)
 
     def _run(self) -> None:
         while True:
