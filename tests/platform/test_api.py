@@ -174,38 +174,6 @@ def test_wrong_method_is_an_openai_405(client: TestClient) -> None:
     assert r.headers["allow"] == "GET, HEAD, POST"
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-def test_a_bug_under_an_invocation_is_an_openai_500_with_its_ids_and_its_log_lines(
-    client: TestClient,
-    services: Services,
-    caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
-    path: str,
-) -> None:
-    # The invocations skip Starlette's stack (hotpool.platform.hot_routes): what its error
-    # middleware did for them is still done.
-    def broken(name: str) -> None:
-        raise RuntimeError("catalog exploded")
-
-    monkeypatch.setattr(services.catalog, "get", broken)
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}
-    if path.endswith("/completions") and "chat" not in path:
-        body.pop("messages")
-    else:
-        body.pop("prompt")
-    with caplog.at_level(logging.INFO):
-        r = client.post(path, json=body, headers={"x-request-id": "trace-7"})
-    err = error_of(r, 500)
-    assert err["type"] == "api_error" and "bug in hotpool" in err["message"]
-    assert "catalog exploded" not in r.text  # the details go to the log, not the client
-    assert r.headers["x-request-id"] == "trace-7"
-    key = r.headers["x-hotpool-request-id"]
-    [bug] = [rec for rec in caplog.records if rec.levelno == logging.ERROR]
-    assert key in bug.getMessage() and "catalog exploded" in caplog.text
-    [line] = [rec for rec in caplog.records if rec.name == "hotpool.access"]
-    assert (line.method, line.path, line.status) == ("POST", path, 500)  # type: ignore[attr-defined]
-
-
 def test_an_invocation_path_with_a_trailing_slash_is_redirected_as_any_route(
     client: TestClient,
 ) -> None:
@@ -932,12 +900,14 @@ def test_malformed_worker_info_is_400(client: TestClient, body: Any) -> None:
 
 @pytest.fixture
 def broken_client(services: Services) -> Iterator[TestClient]:
-    """A client of an app whose catalog raises, so ``GET /v1/models`` fails with a 500."""
+    """A client of an app whose catalog raises, so ``GET /v1/models`` and every invocation
+    fail with a 500."""
 
-    def broken() -> Any:
+    def broken(*_: Any) -> Any:
         raise RuntimeError("boom")
 
     services.catalog.all = broken  # type: ignore[method-assign]
+    services.catalog.get = broken  # type: ignore[method-assign]
     with TestClient(create_app(services), raise_server_exceptions=False) as c:
         yield c
 
@@ -950,6 +920,29 @@ def test_server_errors_are_openai_shaped_500s(broken_client: TestClient) -> None
 
 def test_server_errors_carry_a_request_id(broken_client: TestClient) -> None:
     assert broken_client.get("/v1/models").headers.get("x-request-id", "").startswith("req_")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"model": "m", "prompt": "hi"}),
+    ],
+)
+def test_a_bug_under_an_invocation_is_a_500_with_its_ids_and_its_log_lines(
+    broken_client: TestClient, caplog: pytest.LogCaptureFixture, path: str, body: Any
+) -> None:
+    # The invocations skip Starlette's stack (hotpool.platform.hot_routes): what its error
+    # middleware did for them is still done.
+    with caplog.at_level(logging.INFO):
+        r = broken_client.post(path, json=body, headers={"x-request-id": "trace-7"})
+    err = error_of(r, 500)
+    assert err["type"] == "api_error" and "boom" not in r.text  # internals stay in the log
+    assert r.headers["x-request-id"] == "trace-7"
+    [bug] = [rec for rec in caplog.records if rec.levelno == logging.ERROR]
+    assert r.headers["x-hotpool-request-id"] in bug.getMessage() and "boom" in caplog.text
+    [line] = [rec for rec in caplog.records if rec.name == "hotpool.access"]
+    assert (line.method, line.path, line.status) == ("POST", path, 500)  # type: ignore[attr-defined]
 
 
 def test_the_invocations_are_served_past_starlettes_routing(client: TestClient) -> None:
