@@ -156,9 +156,13 @@ void hp_write_kv(const bf16 *k, int64_t k_stride, const bf16 *v, int64_t v_strid
  *   q        [batch, q_heads, dim] at row stride q_stride (heads contiguous)
  *   caches   [kv_heads, num_blocks, block_size, dim]
  *   tables   [batch, table_width] block ids; seq_lens [batch] (>= 1)
+ *   window   a sliding window: the query (at position len - 1) attends the keys
+ *            [len - window, len), HF's `p - window < k <= p`; 0 (or less) for none
  *   out      [batch, q_heads, dim] contiguous
  * Query head h reads KV head h / (q_heads / kv_heads). One task per (sequence, KV head):
- * the group's query heads share every key and value read.
+ * the group's query heads share every key and value read. Blocks wholly before the window
+ * are never read (their table entries may hold any id): a windowed layer's cost is bounded
+ * by the window, not the context.
  */
 typedef struct {
     const bf16 *q;
@@ -168,16 +172,23 @@ typedef struct {
     const int64_t *tables;
     int64_t table_width;
     const int64_t *seq_lens;
+    int64_t window;
     bf16 *out;
     int64_t q_heads, kv_heads, dim;
     float scale;
 } decode_args;
 
+/* The first key sequence b's query attends: keys [first, len) are its window. */
+static inline int64_t window_first(const decode_args *a, int64_t b) {
+    int64_t len = a->seq_lens[b];
+    return a->window > 0 && len > a->window ? len - a->window : 0;
+}
+
 /* The portable task: two passes (scores, then a weighted sum of values) in float32. */
 static void decode_task_scalar(const decode_args *a, int64_t b, int64_t h) {
     int64_t group = a->q_heads / a->kv_heads, dim = a->dim, block_size = a->block_size;
-    int64_t len = a->seq_lens[b];
-    float *qf = malloc(sizeof(float) * (size_t)(group * dim * 2 + dim + group * len));
+    int64_t len = a->seq_lens[b], first = window_first(a, b), span = len - first;
+    float *qf = malloc(sizeof(float) * (size_t)(group * dim * 2 + dim + group * span));
     float *acc = qf + group * dim;
     float *kf = acc + group * dim;
     float *scores = kf + dim;
@@ -192,9 +203,11 @@ static void decode_task_scalar(const decode_args *a, int64_t b, int64_t h) {
     const int64_t *table = a->tables + b * a->table_width;
     const bf16 *kh = a->k_cache + h * a->num_blocks * block_size * dim;
     const bf16 *vh = a->v_cache + h * a->num_blocks * block_size * dim;
-    for (int64_t s0 = 0; s0 < len; s0 += block_size) {
-        const bf16 *kb = kh + table[s0 / block_size] * block_size * dim;
-        int64_t n = len - s0 < block_size ? len - s0 : block_size;
+    /* Runs of keys inside one block; only the first run can start mid-block. */
+    for (int64_t s0 = first, n; s0 < len; s0 += n) {
+        int64_t row = s0 % block_size;
+        const bf16 *kb = kh + (table[s0 / block_size] * block_size + row) * dim;
+        n = len - s0 < block_size - row ? len - s0 : block_size - row;
         for (int64_t i = 0; i < n; ++i) {
             const bf16 *kr = kb + i * dim;
             /* Widen the key once for the whole group; the dot products then vectorise. */
@@ -205,31 +218,32 @@ static void decode_task_scalar(const decode_args *a, int64_t b, int64_t h) {
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kf[d];
-                scores[g * len + s0 + i] = dot;
+                scores[g * span + s0 - first + i] = dot;
             }
         }
     }
     for (int64_t g = 0; g < group; ++g) {
-        float *sg = scores + g * len;
+        float *sg = scores + g * span;
         float m = -INFINITY;
-        for (int64_t s = 0; s < len; ++s) m = sg[s] > m ? sg[s] : m;
+        for (int64_t s = 0; s < span; ++s) m = sg[s] > m ? sg[s] : m;
         float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-        for (int64_t s = 0; s < len; ++s) {
+        for (int64_t s = 0; s < span; ++s) {
             sg[s] = exp_f32(sg[s] - m);
             total += sg[s];
         }
         float inv = 1.0f / total;
 #pragma omp simd
-        for (int64_t s = 0; s < len; ++s) sg[s] *= inv;
+        for (int64_t s = 0; s < span; ++s) sg[s] *= inv;
     }
-    for (int64_t s0 = 0; s0 < len; s0 += block_size) {
-        const bf16 *vb = vh + table[s0 / block_size] * block_size * dim;
-        int64_t n = len - s0 < block_size ? len - s0 : block_size;
+    for (int64_t s0 = first, n; s0 < len; s0 += n) {
+        int64_t row = s0 % block_size;
+        const bf16 *vb = vh + (table[s0 / block_size] * block_size + row) * dim;
+        n = len - s0 < block_size - row ? len - s0 : block_size - row;
         for (int64_t i = 0; i < n; ++i) {
             const bf16 *vr = vb + i * dim;
             for (int64_t g = 0; g < group; ++g) {
-                float p = scores[g * len + s0 + i];
+                float p = scores[g * span + s0 - first + i];
                 float *ag = acc + g * dim;
 #pragma omp simd
                 for (int64_t d = 0; d < dim; ++d) ag[d] += p * bf2f(vr[d]);
@@ -304,15 +318,16 @@ static inline __m512 widen16(const bf16 *x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-/* Widen n value rows ([n][dim] bf16) and add each, weighted by its probability, into every
- * head of the group: acc[g][d] += probs[g][i] * v[i][d]. Each row is widened once. */
+/* Widen value rows [lead, n) ([n][dim] bf16) and add each, weighted by its probability, into
+ * every head of the group: acc[g][d] += probs[g][i] * v[i][d]. Each row is widened once.
+ * Rows outside the window are skipped, not weighted by 0: they may hold NaN. */
 static inline __attribute__((always_inline)) void pv_accumulate(
-    __m512 *acc, const float (*probs)[16], const bf16 *vb, int64_t n, const int64_t group,
-    const int64_t dim) {
+    __m512 *acc, const float (*probs)[16], const bf16 *vb, int64_t lead, int64_t n,
+    const int64_t group, const int64_t dim) {
     const int64_t vecs = dim / 16;
     /* Dims and heads unroll (the accumulators must be registers); keys need not. */
 #pragma GCC unroll 1
-    for (int64_t i = 0; i < n; ++i)
+    for (int64_t i = lead; i < n; ++i)
 #pragma GCC unroll 16
         for (int64_t d = 0; d < vecs; ++d) {
             __m512 v = widen16(vb + i * dim + 16 * d);
@@ -352,7 +367,11 @@ static inline __attribute__((always_inline)) void decode_core(
     const bf16 *kh = a->k_cache + h * a->num_blocks * bs * dim;
     const bf16 *vh = a->v_cache + h * a->num_blocks * bs * dim;
     const __m512 scale = _mm512_set1_ps(a->scale), neg_inf = _mm512_set1_ps(-INFINITY);
-    for (int64_t s0 = 0; s0 < len; s0 += 16) {
+    /* Chunks of 16 keys start on multiples of 16, so each lies inside one block (block
+     * sizes are in 16s): the first chunk's keys before the window are in the window's
+     * first block, read and masked like those past the end. */
+    const int64_t first = window_first(a, b);
+    for (int64_t s0 = first - first % 16; s0 < len; s0 += 16) {
         int64_t block = table[s0 / bs], row = s0 % bs;
         const bf16 *kb = kh + (block * bs + row) * dim;
         const bf16 *vb = vh + (block * bs + row) * dim;
@@ -370,8 +389,10 @@ static inline __attribute__((always_inline)) void decode_core(
                 _mm_prefetch(nv + off, _MM_HINT_T1);
             }
         }
-        /* Keys past the sequence hold stale data (maybe NaN): their lanes are masked. */
-        __mmask16 live = (__mmask16)((1u << n) - 1u);
+        /* Keys past the sequence or before the window may hold stale data (maybe NaN): their
+         * lanes are masked. */
+        int64_t lead = s0 < first ? first - s0 : 0;
+        __mmask16 live = (__mmask16)(((1u << n) - 1u) & ~((1u << lead) - 1u));
 #pragma GCC unroll 16
         for (int64_t g = 0; g < group; ++g) {
             __m512 part[16];
@@ -401,7 +422,7 @@ static inline __attribute__((always_inline)) void decode_core(
                     acc[g * vecs + d] = _mm512_mul_ps(acc[g * vecs + d], av);
             }
         }
-        pv_accumulate(acc, probs, vb, n, group, dim);
+        pv_accumulate(acc, probs, vb, lead, n, group, dim);
     }
 #pragma GCC unroll 16
     for (int64_t g = 0; g < group; ++g) {
@@ -428,7 +449,9 @@ DECODE_GROUPS(128)
 /* The vector kernel for a (group, head dim), or NULL: every Llama-family model this engine
  * runs has head dim 64 or 128 and at most 8 query heads per KV head. Other shapes take the
  * portable task (a run-time-sized vector kernel cost ~8 s of compile time for shapes no
- * supported model has). */
+ * supported model has). Gemma 3's head dim 256 takes it too, for now: at groups 2 and 4
+ * its 32-64 accumulators and 16-32 query vectors exceed the 32 registers, so a fixed
+ * kernel for it wants measuring before it replaces the portable one. */
 static decode_fn decode_simd_for(int64_t group, int64_t dim) {
     static const decode_fn d64[8] = {decode_1_64, decode_2_64, decode_3_64, decode_4_64,
                                      decode_5_64, decode_6_64, decode_7_64, decode_8_64};
@@ -443,10 +466,12 @@ static decode_fn decode_simd_for(int64_t group, int64_t dim) {
 
 void hp_paged_decode(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
                      int64_t num_blocks, int64_t block_size, const int64_t *tables,
-                     int64_t table_width, const int64_t *seq_lens, bf16 *out, int64_t batch,
-                     int64_t q_heads, int64_t kv_heads, int64_t dim, float scale) {
-    decode_args a = {q,        q_stride, k_cache, v_cache, num_blocks, block_size, tables,
-                     table_width, seq_lens, out, q_heads, kv_heads, dim, scale};
+                     int64_t table_width, const int64_t *seq_lens, int64_t window, bf16 *out,
+                     int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t dim,
+                     float scale) {
+    decode_args a = {q,        q_stride, k_cache,  v_cache,  num_blocks, block_size,
+                     tables,   table_width, seq_lens, window, out,     q_heads,
+                     kv_heads, dim,      scale};
 #ifdef HP_AVX512_BF16
     decode_fn simd = block_size % 16 == 0 ? decode_simd_for(q_heads / kv_heads, dim) : NULL;
 #endif

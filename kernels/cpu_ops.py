@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from hotpool.kernels.paged_attention import check_window
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
@@ -41,7 +43,7 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "hp_silu_mul": (_P, _P, _I, _I),
     "hp_rope": (_P, _I, _I, _I, _I, _P, _P, _P),
     "hp_write_kv": (_P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I),
-    "hp_paged_decode": (_P, _I, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _F),
+    "hp_paged_decode": (_P, _I, _P, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F),
     "hp_pack_linear": (_P, _I, _I, _P),
     "hp_linear": (_P, _I, _I, _P, _I, _P, _P),
     "hp_pack_gate_up": (_P, _I, _I, _P),
@@ -233,10 +235,13 @@ class CpuOps:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         out: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """``paged_attention.paged_decode``'s function: ``q`` ``[B, Hq, D]`` (rows may be
-        strided) over ``seq_lens[b] >= 1`` cached tokens; writes ``out`` (contiguous) when
-        given. Block tables and lengths are trusted (the engine builds them)."""
+        strided) over ``seq_lens[b] >= 1`` cached tokens, or their last ``window``; writes
+        ``out`` (contiguous) when given. Block tables and lengths are trusted (the engine
+        builds them); table entries wholly before a window are never read."""
+        check_window(window)
         _cache_pair(k_cache, v_cache)
         n_kv, num_blocks, block_size, dim = k_cache.shape
         if q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[2] != dim:
@@ -263,6 +268,7 @@ class CpuOps:
             block_tables.data_ptr(),
             block_tables.shape[1],
             seq_lens.data_ptr(),
+            window or 0,  # the C kernel's "no window"
             out.data_ptr(),
             b,
             n_heads,

@@ -10,6 +10,11 @@ Both kernels keep an online softmax (running max and sum in fp32) over the key b
 block table lists, accumulate in fp32 and write the output in ``q``'s dtype. Products go
 through ``tl.dot`` with ``input_precision="ieee"``: fp16/bf16 still use tensor cores, and
 fp32 inputs stay exact instead of silently dropping to TF32.
+
+With a sliding ``window`` the loops start at the block holding a query's first visible key:
+blocks wholly before the window are never read (their table entries may hold anything), so
+a layer's cost is bounded by the window, not the context. Inside the kernels ``window`` 0
+stands for None (the whole causal context).
 """
 
 from __future__ import annotations
@@ -20,7 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+from hotpool.kernels.paged_attention import check_window
+
+# 256 is Gemma 3's. Every tile is already the smallest tl.dot takes (16 keys a step, 16 query
+# rows), so D = 256 only doubles the fp32 accumulator, to 16 x 256 a program. Compiled for
+# sm_90 (bf16, group 4, 4 warps, by ptxas without a GPU): decode 96 registers a thread, prefill
+# 150 (D = 128: 90 and 80), no spills, 17 KB of shared memory. Not yet timed on a GPU.
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BLOCK_SIZES = (16,)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PREFILL_TILE = 16  # query tokens per prefill program; tl.dot needs every dimension >= 16
@@ -46,7 +57,7 @@ def _decode_kernel(
     stride_vh, stride_vb, stride_vs,
     stride_tb, stride_tn, stride_lb,
     stride_ob, stride_oh,
-    max_blocks, scale_log2,
+    max_blocks, scale_log2, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -65,23 +76,27 @@ def _decode_kernel(
     )
     seq_len = tl.load(lens_ptr + seq * stride_lb)
     n_blocks = tl.minimum(tl.cdiv(seq_len, BLOCK_SIZE), max_blocks)
+    # The query sits at seq_len - 1: its window is the keys [first, seq_len).
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     k_base = k_ptr + kv_head * stride_kh + d[:, None] + s[None, :] * stride_ks  # [D, BS]
     v_base = v_ptr + kv_head * stride_vh + s[:, None] * stride_vs + d[None, :]  # [BS, D]
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    # Only the blocks holding tokens are read, so padding entries of the table never are.
-    for j in range(0, n_blocks):
+    # Only the blocks holding the window's tokens are read, so padding entries of the table
+    # never are. The first block holds key `first`, so every row's max is finite from it on.
+    for j in range(first // BLOCK_SIZE, n_blocks):
         block = tl.load(tables_ptr + seq * stride_tb + j * stride_tn).to(tl.int64)
         k = tl.load(k_base + block * stride_kb)
         scores = _dot(q, k, UPCAST) * scale_log2
-        key_ok = j * BLOCK_SIZE + s < seq_len
+        key_pos = j * BLOCK_SIZE + s
+        key_ok = (key_pos >= first) & (key_pos < seq_len)
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        # Slots past the end may hold stale or uninitialised values (NaN * 0 is NaN).
+        # Slots outside the window may hold stale or uninitialised values (NaN * 0 is NaN).
         v = tl.load(v_base + block * stride_vb, mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
@@ -102,7 +117,7 @@ def _prefill_kernel(
     stride_vh, stride_vb, stride_vs,
     stride_tn,
     stride_ot, stride_oh,
-    num_tokens, start, scale_log2,
+    num_tokens, start, scale_log2, window,
     GROUP: tl.constexpr, TILE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -120,29 +135,41 @@ def _prefill_kernel(
         other=0.0,
     )
     q_pos = start + i
-    # Causal: the tile's last real token bounds the keys it reads.
+    # Causal: the tile's last real token bounds the keys it reads, and with a window its first
+    # token's window starts them.
     end = start + tl.minimum((tile + 1) * TILE, num_tokens)
+    first = tl.where(window > 0, tl.maximum(start + tile * TILE + 1 - window, 0), 0)
+    # Row i sees the keys (q_lo, q_pos]; without a window q_lo = -1 is below key 0.
+    q_lo = tl.where(window > 0, q_pos - window, -1)
     k_base = k_ptr + kv_head * stride_kh + d[:, None] + s[None, :] * stride_ks  # [D, BS]
     v_base = v_ptr + kv_head * stride_vh + s[:, None] * stride_vs + d[None, :]  # [BS, D]
     m_i = tl.full([TILE], float("-inf"), tl.float32)
     l_i = tl.zeros([TILE], tl.float32)
     acc = tl.zeros([TILE, HEAD_DIM], tl.float32)
-    for j in range(0, tl.cdiv(end, BLOCK_SIZE)):
+    for j in range(first // BLOCK_SIZE, tl.cdiv(end, BLOCK_SIZE)):
         block = tl.load(table_ptr + j * stride_tn).to(tl.int64)
         k = tl.load(k_base + block * stride_kb)
         scores = _dot(q, k, UPCAST) * scale_log2
         key_pos = j * BLOCK_SIZE + s
-        # Key 0 is always visible, so every row (padding rows too) has a finite max.
-        visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos < end)[None, :]
+        visible = (
+            (key_pos[None, :] <= q_pos[:, None])
+            & (key_pos[None, :] > q_lo[:, None])
+            & (key_pos < end)[None, :]
+        )
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        # With a window, a later row may see no key of the tile's first blocks (and padding
+        # rows none at all): shift by 0 there, not by -inf, or exp2(-inf - -inf) is NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + block * stride_vb, mask=(key_pos < end)[:, None], other=0.0)
+        # Slots outside the tile's keys may hold stale or uninitialised values (NaN * 0 is NaN).
+        key_ok = (key_pos >= first) & (key_pos < end)
+        v = tl.load(v_base + block * stride_vb, mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i is 0 only in padding rows
     tl.store(
         out_ptr + i[:, None].to(tl.int64) * stride_ot + head * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -207,17 +234,20 @@ def triton_paged_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     key_bias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence: ``q [B, Hq, D]`` over ``seq_lens[b]`` cached tokens.
+    """One query token per sequence: ``q [B, Hq, D]`` over ``seq_lens[b]`` cached tokens,
+    or over the last ``window`` of them, ``[seq_lens[b] - window, seq_lens[b])``.
 
-    ``block_tables [B, max_blocks]`` int64; entries past a sequence's last block are never
-    read, so padding may hold anything. ``seq_lens [B]`` int32/int64, each in
-    ``[1, max_blocks * block_size]`` (not checked: that would sync with the device).
-    ``key_bias`` is accepted only for signature compatibility with
+    ``block_tables [B, max_blocks]`` int64; entries past a sequence's last block, and those
+    wholly before its window, are never read, so they may hold anything. ``seq_lens [B]``
+    int32/int64, each in ``[1, max_blocks * block_size]`` (not checked: that would sync with
+    the device). ``key_bias`` is accepted only for signature compatibility with
     :func:`~hotpool.kernels.paged_attention.paged_decode` and is ignored: the kernel masks
-    keys by ``seq_lens`` itself.
+    keys by ``seq_lens`` and ``window`` itself.
     """
     del key_bias
+    check_window(window)
     group = _check_cache(q, k_cache, v_cache)
     b = q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != b:
@@ -237,7 +267,7 @@ def triton_paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1), seq_lens.stride(0),
         out.stride(0), out.stride(1),
-        block_tables.shape[1], head_dim**-0.5 * _LOG2E,
+        block_tables.shape[1], head_dim**-0.5 * _LOG2E, window or 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, UPCAST=_upcast(q),
     )  # fmt: skip
@@ -250,12 +280,16 @@ def triton_paged_prefill(
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
     start: int,
+    window: int | None = None,
 ) -> torch.Tensor:
     """New tokens ``[start, start + T)`` of one sequence, ``q [T, Hq, D]``, attending causally
-    to its cached prefix and to themselves (already written to the cache).
+    to its cached prefix and to themselves (already written to the cache); with a
+    ``window``, token ``i`` attends only keys ``(start + i - window, start + i]``.
 
-    ``block_table [n]`` int64 must cover the ``start + T`` tokens.
+    ``block_table [n]`` int64 must cover the ``start + T`` tokens; with a window, entries
+    wholly before token 0's window are never read.
     """
+    check_window(window)
     group = _check_cache(q, k_cache, v_cache)
     t, n_heads, _ = q.shape
     _, _, block_size, head_dim = k_cache.shape
@@ -279,7 +313,7 @@ def triton_paged_prefill(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         out.stride(0), out.stride(1),
-        t, start, head_dim**-0.5 * _LOG2E,
+        t, start, head_dim**-0.5 * _LOG2E, window or 0,
         GROUP=group, TILE=PREFILL_TILE, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         UPCAST=_upcast(q),
     )  # fmt: skip

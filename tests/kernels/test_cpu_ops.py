@@ -2,7 +2,8 @@
 
 Element-wise kernels must round where HF's bfloat16 modules round: RoPE and the KV write
 are exact; RMSNorm and SiLU may differ by one bfloat16 step where a float32 sum or exp is
-computed in another order. Decode attention is compared with a float64 reference.
+computed in another order. Decode attention is compared with a float64 reference, with and
+without a sliding window.
 """
 
 from __future__ import annotations
@@ -81,9 +82,12 @@ def test_silu_mul_saturates_cleanly_on_extreme_gates(ops: cpu_ops.CpuOps) -> Non
     torch.testing.assert_close(out.float(), F.silu(gate.float()), rtol=BF16_STEP, atol=1e-6)
 
 
-def test_rope_matches_hf_rotate_half_in_bf16_and_leaves_v_alone(ops: cpu_ops.CpuOps) -> None:
+@pytest.mark.parametrize("d", [64, 256])  # 256: Gemma 3
+def test_rope_matches_hf_rotate_half_in_bf16_and_leaves_v_alone(
+    ops: cpu_ops.CpuOps, d: int
+) -> None:
     gen = torch.Generator().manual_seed(0)
-    t, nq, nkv, d, max_pos = 9, 6, 2, 64, 300
+    t, nq, nkv, max_pos = 9, 6, 2, 300
     qkv = _bf16(t, nq + 2 * nkv, d, gen=gen)
     positions = torch.randint(0, max_pos, (t,), generator=gen)
     inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
@@ -104,9 +108,10 @@ def test_rope_matches_hf_rotate_half_in_bf16_and_leaves_v_alone(ops: cpu_ops.Cpu
     assert torch.equal(qkv[:, nq + nkv :], v_before)
 
 
-def test_write_kv_stores_what_the_torch_path_stores(ops: cpu_ops.CpuOps) -> None:
+@pytest.mark.parametrize("d", [64, 256])
+def test_write_kv_stores_what_the_torch_path_stores(ops: cpu_ops.CpuOps, d: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    n_kv, nb, bs, d, t = 3, 10, 16, 64, 7
+    n_kv, nb, bs, t = 3, 10, 16, 7
     qkv = _bf16(t, 5 + 2 * n_kv, d, gen=gen)  # k and v as strided views, as in the model
     k, v = qkv[:, 5 : 5 + n_kv], qkv[:, 5 + n_kv :]
     slots = torch.randperm(nb * bs, generator=gen)[:t]
@@ -215,6 +220,131 @@ def test_native_prefill_matches_float64_on_both_of_its_routes(
     assert bool(sdpa_calls) == (t * n > attention.SHORT_PREFILL_PAIRS)  # the route it took
 
 
+def _dense(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int | None
+) -> torch.Tensor:
+    """float64 attention of ``q [T, Hq, D]`` at positions ``start + i`` over one sequence's
+    ``keys``/``values`` ``[S, Hkv, D]``, the mask built explicitly: p - window < k <= p."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.double(), k) * q.shape[2] ** -0.5
+    key_pos = torch.arange(keys.shape[0])[None, :]
+    q_pos = torch.arange(start, start + q.shape[0])[:, None]
+    visible = (key_pos <= q_pos) & (key_pos > q_pos - (window or keys.shape[0]))
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hts,shd->thd", probs, v)
+
+
+def _windowed_case(
+    lens: list[int], window: int, n_heads: int, n_kv: int, block_size: int, dim: int, seed: int
+) -> tuple[torch.Tensor, ...]:
+    """Sequences whose keys and values exist only inside their windows: every other slot of
+    their blocks holds NaN (keys) and infinity (values), and table entries wholly before a
+    window point at block 0, a shared placeholder full of NaN. Returns q, the caches, the
+    tables, the lengths and the float64 reference."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lens)
+    nb = 1 + width * len(lens)
+    k_cache = torch.full((n_kv, nb, block_size, dim), float("nan"), dtype=torch.bfloat16)
+    v_cache = torch.full_like(k_cache, float("inf"))
+    tables = (1 + torch.randperm(nb - 1, generator=gen)).view(len(lens), width)
+    q = _bf16(len(lens), n_heads, dim, gen=gen, scale=2.0)
+    refs = []
+    for b, n in enumerate(lens):
+        first = max(0, n - window)
+        keys, values = _bf16(n, n_kv, dim, gen=gen), _bf16(n, n_kv, dim, gen=gen)
+        for pos in range(first, n):
+            block, row = tables[b, pos // block_size], pos % block_size
+            k_cache[:, block, row], v_cache[:, block, row] = keys[pos], values[pos]
+        tables[b, : first // block_size] = 0
+        refs.append(_dense(q[b : b + 1], keys, values, n - 1, window))
+    return q, k_cache, v_cache, tables, torch.tensor(lens), torch.cat(refs)
+
+
+WINDOW_LENS = [1, 15, 16, 17, 40, 83]  # one token, chunk edges, several blocks
+
+
+# Vector-kernel shapes (block sizes in 16s, dims 64 and 128; GQA 8 query / 2 KV heads) and
+# portable-task shapes (block size 5; head dim 256, Gemma 3's).
+@pytest.mark.parametrize(
+    ("block_size", "dim", "group"), [(16, 64, 4), (32, 128, 2), (5, 64, 3), (16, 256, 2)]
+)
+@pytest.mark.parametrize("window", [1, 7, 16, 17, 40, 1000])
+def test_paged_decode_with_a_window_reads_only_the_window(
+    ops: cpu_ops.CpuOps, block_size: int, dim: int, group: int, window: int
+) -> None:
+    """Windows shorter than, equal to and longer than the sequences, starting mid-block and
+    mid-chunk: the result is the float64 windowed attention, and none of the NaN outside
+    the windows (in the sequences' blocks or in the placeholder) reaches it."""
+    q, k_cache, v_cache, tables, seq_lens, ref = _windowed_case(
+        WINDOW_LENS, window, 2 * group, 2, block_size, dim, seed=window + dim + group
+    )
+    ours = ops.paged_decode(q, k_cache, v_cache, tables, seq_lens, window=window)
+    assert torch.isfinite(ours.float()).all()
+    torch.testing.assert_close(ours.double(), ref, rtol=2 * BF16_STEP, atol=2e-3)
+
+
+def test_paged_decode_without_a_window_is_unchanged_by_a_window_past_every_length(
+    ops: cpu_ops.CpuOps,
+) -> None:
+    gen = torch.Generator().manual_seed(5)
+    q, k_cache, v_cache, tables, seq_lens = _paged_case([1, 17, 33, 100], 6, 2, 16, gen)
+    plain = ops.paged_decode(q, k_cache, v_cache, tables, seq_lens)
+    assert torch.equal(ops.paged_decode(q, k_cache, v_cache, tables, seq_lens, window=100), plain)
+    with pytest.raises(ValueError, match="window must be a positive int or None"):
+        ops.paged_decode(q, k_cache, v_cache, tables, seq_lens, window=0)
+
+
+@pytest.mark.parametrize(
+    ("start", "t", "window"),
+    [
+        (0, 40, 7),  # as decode rows: windows shorter than and equal to the chunk,
+        (0, 40, 40),
+        (23, 9, 16),  # chunked prefill,
+        (5, 30, 64),  # a window past every position,
+        (300, 64, 100),  # a long prefix whose early blocks the window skips;
+        (0, 200, 180),  # through SDPA: windowed,
+        (0, 200, 300),  # and a window past every position
+    ],
+)
+def test_native_kernels_apply_a_window_on_both_prefill_routes_and_in_decode(
+    ops: cpu_ops.CpuOps, start: int, t: int, window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's native kernels: a prefill chunk as decode rows (each row's own window)
+    or, past SHORT_PREFILL_PAIRS, through gather + SDPA; and decode with its key bias
+    argument. Head dim 256, 8 query heads on 2 KV heads."""
+    gen = torch.Generator().manual_seed(start + t + window)
+    n_kv, group, d, bs = 2, 4, 256, 16
+    n = start + t
+    table = torch.randperm(32, generator=gen)[: -(-n // bs)]
+    k_cache, v_cache = (_bf16(n_kv, 32, bs, d, gen=gen) for _ in range(2))
+    q = _bf16(t, n_kv * group, d, gen=gen, scale=2.0)
+    keys = torch.cat([k_cache[:, b].transpose(0, 1) for b in table.tolist()])[:n]
+    values = torch.cat([v_cache[:, b].transpose(0, 1) for b in table.tolist()])[:n]
+    sdpa_calls: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        sdpa_calls.append(1)
+        return paged_prefill(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "paged_prefill", counted)
+    kernels = attention.attention_kernels(k_cache, backend="native")
+    ours = kernels.prefill(q, k_cache, v_cache, table, start, window=window)
+    ref = _dense(q, keys, values, start, window)
+    sdpa = t * min(n, window) > attention.SHORT_PREFILL_PAIRS
+    assert bool(sdpa_calls) == sdpa  # the route it took
+    # bf16 SDPA rounds its probabilities to bf16 before weighting the values: its error is
+    # then about one bf16 step of a value, however small the output.
+    atol = 4e-3 if sdpa else 2e-3
+    torch.testing.assert_close(ours.double(), ref, rtol=2 * BF16_STEP, atol=atol)
+
+    last = kernels.decode(
+        q[-1:], k_cache, v_cache, table[None], torch.tensor([n]), None, window=window
+    )
+    torch.testing.assert_close(last.double(), ref[-1:], rtol=2 * BF16_STEP, atol=2e-3)
+
+
 def test_the_vector_decode_path_is_built_where_the_cpu_has_avx512_bf16(
     ops: cpu_ops.CpuOps,
 ) -> None:
@@ -261,6 +391,9 @@ def test_a_build_without_avx512_bf16_computes_the_same_functions(tmp_path: Path)
     q, k_cache, v_cache, tables, seq_lens = _paged_case([1, 17, 48], 6, 2, 16, gen)
     ref = paged_decode(q.double(), k_cache.double(), v_cache.double(), tables, seq_lens)
     ours = portable.paged_decode(q, k_cache, v_cache, tables, seq_lens)
+    torch.testing.assert_close(ours.double(), ref, rtol=2 * BF16_STEP, atol=2e-3)
+    q, k_cache, v_cache, tables, seq_lens, ref = _windowed_case(WINDOW_LENS, 23, 8, 2, 16, 64, 3)
+    ours = portable.paged_decode(q, k_cache, v_cache, tables, seq_lens, window=23)
     torch.testing.assert_close(ours.double(), ref, rtol=2 * BF16_STEP, atol=2e-3)
 
 

@@ -8,11 +8,11 @@ import torch
 
 from hotpool.worker.engine.base import EngineRequest
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
-from hotpool.worker.models.llama import LlamaConfig, LlamaModel, RotaryEmbedding
+from hotpool.worker.models.llama import LlamaModel, ModelConfig, RotaryEmbedding
 from hotpool.worker.protocol import SamplingParams
 
 # Small, with a head dim the Triton attention kernels support (64).
-CFG = LlamaConfig(
+CFG = ModelConfig(
     vocab_size=101, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
     rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,

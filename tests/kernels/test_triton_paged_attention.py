@@ -2,6 +2,7 @@
 interpreter elsewhere (tests/kernels/conftest.py sets ``TRITON_INTERPRET=1`` without a GPU).
 
 Cases are built on the CPU; ``_decode`` and ``_prefill`` run the kernels on ``DEVICE``.
+Sliding-window cases are checked against a dense float64 reference with an explicit mask.
 """
 
 from __future__ import annotations
@@ -184,6 +185,10 @@ _Q, _K, _V, _T, _L = _decode_case(4, 2, torch.float32)
         (lambda: _prefill(_Q, _K, _V, _T[0], -1), "start"),
         (lambda: _prefill(_Q, _K, _V, _T, 0), "1-D"),
         (lambda: _prefill(_Q, _K, _V, _T[0, :1], 20), "need 2"),
+        (lambda: _decode(_Q, _K, _V, _T, _L, None, 0), "window must be a positive int"),
+        (lambda: _decode(_Q, _K, _V, _T, _L, None, 2.5), "window must be a positive int"),
+        (lambda: _prefill(_Q, _K, _V, _T[0], 0, -4), "window must be a positive int"),
+        (lambda: _prefill(_Q, _K, _V, _T[0], 0, True), "window must be a positive int"),
     ],
 )
 def test_wrappers_reject_bad_inputs_with_a_clear_error(
@@ -198,3 +203,120 @@ def test_wrappers_reject_a_cache_not_dense_in_head_dim() -> None:
     k = torch.randn(2, NB, BS, D * 2, device=DEVICE)[..., ::2]
     with pytest.raises(ValueError, match="contiguous in head_dim"):
         _decode(_Q, k, _V, _T, _L)
+
+
+def _dense(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int
+) -> torch.Tensor:
+    """float64 attention of ``q [T, Hq, D]`` at positions ``start + i`` over one sequence's
+    ``keys``/``values`` ``[S, Hkv, D]``, the mask built explicitly: p - window < k <= p."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.double(), k) * q.shape[2] ** -0.5
+    key_pos = torch.arange(keys.shape[0])[None, :]
+    q_pos = torch.arange(start, start + q.shape[0])[:, None]
+    visible = (key_pos <= q_pos) & (key_pos > q_pos - window)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hts,shd->thd", probs, v)
+
+
+def _poisoned(
+    lens: list[int], firsts: list[int], n_kv: int, d: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Caches where sequence b's tokens exist only at positions ``[firsts[b], lens[b])``:
+    every other slot holds NaN, and table entries wholly before ``firsts[b]`` point at
+    block 0, a placeholder full of NaN that every sequence shares. Returns the caches, the
+    tables and each sequence's own (keys, values) ``[lens[b], Hkv, D]``."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // BS) for n in lens)
+    nb = 1 + width * len(lens)
+    k_cache = torch.full((n_kv, nb, BS, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    tables = (1 + torch.randperm(nb - 1, generator=gen)).view(len(lens), width)
+    own = []
+    for b, (n, first) in enumerate(zip(lens, firsts, strict=True)):
+        keys = torch.randn(n, n_kv, d, generator=gen).to(dtype)
+        values = torch.randn(n, n_kv, d, generator=gen).to(dtype)
+        for pos in range(first, n):
+            block, row = tables[b, pos // BS], pos % BS
+            k_cache[:, block, row], v_cache[:, block, row] = keys[pos], values[pos]
+        tables[b, : first // BS] = 0
+        own.append((keys, values))
+    return k_cache, v_cache, tables, own
+
+
+def _windowed_decode(
+    window: int, n_heads: int, n_kv: int, d: int, dtype: torch.dtype, lens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's output and the dense reference, for a batch of ``lens`` poisoned
+    outside their windows."""
+    firsts = [max(0, n - window) for n in lens]
+    k_cache, v_cache, tables, own = _poisoned(lens, firsts, n_kv, d, dtype, seed=window + d)
+    q = torch.randn(len(lens), n_heads, d, generator=torch.Generator().manual_seed(d)).to(dtype)
+    out = _decode(q, k_cache, v_cache, tables, torch.tensor(lens), None, window)
+    refs = [_dense(q[b : b + 1], *own[b], n - 1, window) for b, n in enumerate(lens)]
+    return out, torch.cat(refs)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40, 100])
+def test_decode_with_a_window_reads_only_the_window(window: int) -> None:
+    """Windows shorter than, equal to and longer than the sequences (of several lengths in
+    one batch), on and off block edges, GQA 8 query / 2 KV heads: NaN everywhere outside the
+    windows (before them in the sequences' blocks, and in the placeholder block) never
+    reaches the output."""
+    out, ref = _windowed_decode(window, 8, 2, D, torch.float32, LENS)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("window", "dtype"), [(9, torch.float32), (33, torch.bfloat16)])
+def test_decode_with_a_window_at_head_dim_256(window: int, dtype: torch.dtype) -> None:
+    out, ref = _windowed_decode(window, 4, 2, 256, dtype, [1, 17, 33, 50])
+    assert out.dtype == dtype and torch.isfinite(out.float()).all()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_decode_without_a_window_is_unchanged_by_a_window_past_every_length() -> None:
+    args = _decode_case(4, 2, torch.float32, seed=5)
+    torch.testing.assert_close(_decode(*args, None, max(LENS)), _decode(*args), atol=0, rtol=0)
+
+
+def _windowed_prefill(
+    start: int, t: int, window: int, n_heads: int, n_kv: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's output and the dense reference, for a chunk ``[start, start + t)``
+    whose sequence is poisoned before token 0's window and past the chunk."""
+    n = start + t
+    k_cache, v_cache, (table,), ((keys, values),) = _poisoned(
+        [n], [max(0, start + 1 - window)], n_kv, d, torch.float32, seed=start + t + window
+    )
+    q = torch.randn(t, n_heads, d, generator=torch.Generator().manual_seed(t))
+    out = _prefill(q, k_cache, v_cache, table, start, window)
+    return out, _dense(q, keys, values, start, window)
+
+
+@pytest.mark.parametrize(
+    ("start", "t", "window"),
+    [
+        (0, 21, 5),  # a first chunk, two query tiles
+        (0, 16, 100),  # a window past every position
+        (10, 11, 21),  # a window as long as the sequence
+        (5, 33, 16),  # chunked prefill: windows equal to and
+        (37, 20, 17),  # one past a block, skipping whole blocks
+        (5, 33, 4),  # a tile's later rows see nothing in its first block
+        (40, 3, 1),  # each token sees only itself
+    ],
+)
+def test_prefill_with_a_window_reads_only_the_windows(start: int, t: int, window: int) -> None:
+    out, ref = _windowed_prefill(start, t, window, 8, 2, D)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("start", "t", "window"), [(0, 18, 18), (19, 5, 7)])
+def test_prefill_with_a_window_at_head_dim_256(start: int, t: int, window: int) -> None:
+    out, ref = _windowed_prefill(start, t, window, 4, 2, 256)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)

@@ -286,12 +286,19 @@ class ManagerMachine(RuleBasedStateMachine):
 
     Besides the pool's bookkeeping it tracks what each block "contains" (the token prefix its
     KV depends on, as written by the last request that computed it) and checks that every
-    prefix hit hands out a block holding exactly the request's tokens.
+    prefix hit hands out a block holding exactly the request's tokens. With a sliding window,
+    only the blocks a query can still read must be real, and those must hold the right KV.
     """
 
-    @initialize(num_blocks=st.integers(4, 16), block_size=st.sampled_from([1, 2, 4]))
-    def setup(self, num_blocks: int, block_size: int) -> None:
-        self.m = KVCacheManager(num_blocks, block_size, salt=b"s")
+    @initialize(
+        num_blocks=st.integers(4, 16),
+        block_size=st.sampled_from([1, 2, 4]),
+        window=st.none() | st.integers(1, 12),
+    )
+    def setup(self, num_blocks: int, block_size: int, window: int | None) -> None:
+        self.m = KVCacheManager(num_blocks, block_size, salt=b"s", sliding_window=window)
+        self.window = window
+        self.ph = self.m.pool.placeholder
         self.bs = block_size
         self.running: dict[str, tuple[list[int], int]] = {}  # id -> tokens, computed
         self.waiting: dict[str, list[int]] = {}
@@ -309,7 +316,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def _ran(self, rid: str, tokens: list[int], computed: int) -> None:
         """The forward pass wrote KV for tokens[:computed] into the request's blocks."""
         for j, block_id in enumerate(self.m.get_block_ids(rid)):
-            if j * self.bs < computed:
+            if j * self.bs < computed and not self._is_placeholder(block_id):
                 self.content[block_id] = tuple(tokens[: min((j + 1) * self.bs, computed)])
         self.running[rid] = (tokens, computed)
 
@@ -318,6 +325,9 @@ class ManagerMachine(RuleBasedStateMachine):
         assert n == len(hits) * self.bs
         assert n < len(tokens)
         for i, block in enumerate(hits.blocks):
+            if block is self.ph:  # only outside the window of the token at n
+                assert self.window is not None and (i + 1) * self.bs <= n - self.window + 1
+                continue
             assert self.content.get(block.block_id) == tuple(tokens[: (i + 1) * self.bs])
         num_new = min(chunk, len(tokens) - n)
         before = self._snapshot()
@@ -367,6 +377,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.running.pop(rid, None)
         self.waiting.pop(rid, None)
 
+    def _is_placeholder(self, block_id: int) -> bool:
+        return self.ph is not None and block_id == self.ph.block_id
+
     @rule()
     def reset(self) -> None:
         idle = not self.running
@@ -381,19 +394,31 @@ class ManagerMachine(RuleBasedStateMachine):
         m.check_consistency()
         free = set(pool.free_block_ids())
         referenced = set()
-        for rid, (_, computed) in self.running.items():
+        for rid, (tokens, computed) in self.running.items():
             ids = m.get_block_ids(rid)
             assert len(ids) == -(-computed // self.bs)
-            referenced.update(ids)
+            # Blocks the next query (at `computed`) reads must be real and hold this KV.
+            first_read = 0 if self.window is None else max(0, computed - self.window + 1)
+            for j, block_id in enumerate(ids):
+                if self._is_placeholder(block_id):
+                    assert (j + 1) * self.bs <= first_read
+                    continue
+                assert self.content[block_id] == tuple(tokens[: min((j + 1) * self.bs, computed)])
+                referenced.add(block_id)
         for rid in self.waiting:
             assert m.get_block_ids(rid) == []
         for block in pool.blocks:
+            if block is self.ph:
+                assert block.ref_cnt == 1 and block.block_hash is None
+                assert block.block_id not in free
+                continue
             assert block.ref_cnt >= 0
             assert not (block.block_id in free and block.ref_cnt > 0)
             assert (block.ref_cnt > 0) == (block.block_id in referenced)
             if block.block_hash is not None:
                 assert pool.get_cached_block(block.block_hash) is block
-        assert len(free) + len(referenced) == pool.num_blocks == m.num_blocks
+        assert len(free) + len(referenced) == m.num_blocks
+        assert pool.num_blocks == m.num_blocks + (self.ph is not None)
         assert m.num_free_blocks == len(free)
 
     def teardown(self) -> None:

@@ -1,6 +1,7 @@
 """Property-based tests of the scheduler over the real KV cache manager (no model: a fake
 runner samples random tokens). Whatever arrives, aborts or runs short of blocks, the
-scheduler keeps its invariants and every request it was given eventually finishes."""
+scheduler keeps its invariants and every request it was given eventually finishes, with full
+attention or a sliding window."""
 
 from __future__ import annotations
 
@@ -20,7 +21,12 @@ from hotpool.worker.protocol import SamplingParams
 def test_every_request_finishes_and_invariants_hold(data: st.DataObject) -> None:
     block_size = data.draw(st.integers(1, 8), "block_size")
     num_blocks = data.draw(st.integers(2, 40), "num_blocks")
-    kv = KVCacheManager(num_blocks, block_size, enable_caching=data.draw(st.booleans(), "caching"))
+    kv = KVCacheManager(
+        num_blocks,
+        block_size,
+        enable_caching=data.draw(st.booleans(), "caching"),
+        sliding_window=data.draw(st.none() | st.integers(1, 12), "sliding_window"),
+    )
     config = SchedulerConfig(
         max_num_batched_tokens=data.draw(st.integers(1, 64), "budget"),
         max_num_seqs=data.draw(st.integers(1, 8), "max_num_seqs"),
@@ -28,7 +34,7 @@ def test_every_request_finishes_and_invariants_hold(data: st.DataObject) -> None
     )
     sched = Scheduler(config, kv)
     rng = random.Random(data.draw(st.integers(0, 2**16), "seed"))
-    capacity = num_blocks * block_size
+    capacity = kv.num_blocks * block_size
     pending: list[Request] = []
     for i in range(data.draw(st.integers(1, 12), "num_requests")):
         max_new = rng.randint(1, 8)
@@ -60,7 +66,7 @@ def test_every_request_finishes_and_invariants_hold(data: st.DataObject) -> None
     for rid, req in finished.items():
         assert rid not in aborted
         assert len(req.output_token_ids) == req.max_new_tokens and req.finish_reason == "length"
-    assert kv.num_free_blocks == num_blocks  # every block came back
+    assert kv.num_free_blocks == kv.num_blocks  # every block came back
 
 
 def _check(sched: Scheduler, kv: KVCacheManager, config: SchedulerConfig, out: object) -> None:
@@ -78,5 +84,11 @@ def _check(sched: Scheduler, kv: KVCacheManager, config: SchedulerConfig, out: o
         assert s.start + s.num_new_tokens <= req.num_tokens
         # The blocks cover every token this step computes.
         assert len(s.block_ids) * kv.block_size >= s.start + s.num_new_tokens
+        if kv.sliding_window is not None and kv.pool.placeholder is not None:
+            # Every key the step's queries read, and every slot it writes, is a real block.
+            first_read = max(0, s.start - kv.sliding_window + 1)
+            read = {s.block_ids[p // kv.block_size] for p in range(first_read, s.start + 1)}
+            written = s.block_ids[s.start // kv.block_size :]
+            assert kv.pool.placeholder.block_id not in read | set(written)
     for req in sched.waiting:
         assert req.num_computed_tokens == 0 and kv.get_block_ids(req.request_id) == []

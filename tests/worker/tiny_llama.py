@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from hotpool.worker.models.llama import LlamaConfig, LlamaModel, RotaryEmbedding
+from hotpool.worker.models.llama import LlamaModel, ModelConfig, RotaryEmbedding
 
-TINY = LlamaConfig(
+TINY = ModelConfig(
     vocab_size=97,
     hidden_size=64,
     intermediate_size=128,
@@ -23,7 +23,7 @@ TINY = LlamaConfig(
 )
 
 
-def tiny_model(seed: int = 0, cfg: LlamaConfig = TINY) -> LlamaModel:
+def tiny_model(seed: int = 0, cfg: ModelConfig = TINY) -> LlamaModel:
     torch.manual_seed(seed)
     model = LlamaModel(cfg)
     with torch.no_grad():

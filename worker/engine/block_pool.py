@@ -6,6 +6,11 @@ tokens whose KV it contains, which makes it a prefix-cache hit until it is evict
 wait in a queue in least-recently-freed order: allocation pops from the head, and a popped
 block loses its hash (eviction). A prefix hit on a free block takes it back out of the queue.
 
+For sliding-window attention the pool can pin one block as a *placeholder* (vLLM's
+``null_block``): block-table entries that no query will read again point at it, so tables keep
+their length and slot arithmetic. It is never allocated, freed, touched or cached, and it does
+not count among the usable blocks.
+
 Inspired by vLLM v1's ``BlockPool`` / ``FreeKVCacheBlockQueue`` and nano-vllm's
 ``BlockManager``; the free queue here is an ``OrderedDict`` keyed by block id, which gives the
 same O(1) append / remove / pop-oldest as vLLM's hand-written linked list.
@@ -48,6 +53,27 @@ class BlockPool:
         # Counters for metrics; monotonic over the pool's life.
         self.num_allocated_total = 0
         self.num_evicted_total = 0
+        self.placeholder: KVBlock | None = None
+
+    def reserve_placeholder(self) -> KVBlock:
+        """Pin block 0 of a fresh pool forever as the shared placeholder block.
+
+        Its reference count stays 1, so the "free iff unreferenced" invariant needs no special
+        case; every method that would change it refuses it instead.
+        """
+        if self.placeholder is not None or self._cached or len(self._free) != self.num_blocks:
+            raise RuntimeError("reserve the placeholder on a fresh pool, once")
+        if self.num_blocks < 2:
+            raise ValueError("a placeholder block needs a pool of at least 2 blocks")
+        block = self._free.pop(0)
+        block.ref_cnt = 1
+        self.placeholder = block
+        return block
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all of them but the placeholder, if one is reserved."""
+        return self.num_blocks - (self.placeholder is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -61,8 +87,8 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks referenced by at least one request."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of the usable blocks referenced by at least one request."""
+        return 1.0 - len(self._free) / self.num_usable_blocks
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks from the head of the free queue, evicting their cached hashes."""
@@ -88,6 +114,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference to prefix-hit blocks; a free one leaves the free queue."""
         for block in blocks:
+            if block is self.placeholder:
+                raise RuntimeError("the placeholder block cannot be touched")
             if block.ref_cnt == 0 and self._free.pop(block.block_id, None) is None:
                 raise RuntimeError(f"block {block.block_id} is unreferenced but not free")
             block.ref_cnt += 1
@@ -99,6 +127,8 @@ class BlockPool:
         first among them.
         """
         for block in blocks:
+            if block is self.placeholder:
+                raise RuntimeError("the placeholder block cannot be freed")
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"block {block.block_id} freed while not in use")
             block.ref_cnt -= 1
@@ -114,6 +144,8 @@ class BlockPool:
         """
         if not self.enable_caching:
             return
+        if block is self.placeholder:
+            raise RuntimeError("the placeholder block cannot be cached")
         if block.block_hash is not None:
             if block.block_hash != block_hash:
                 raise RuntimeError(f"block {block.block_id} is already cached under another hash")
@@ -125,7 +157,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (returns False) while any block is in use."""
-        if len(self._free) != self.num_blocks:
+        if len(self._free) != self.num_usable_blocks:
             return False
         for block in self._cached.values():
             block.block_hash = None
@@ -151,6 +183,9 @@ class BlockPool:
         for block_hash, block in self._cached.items():
             if block.block_hash != block_hash:
                 raise RuntimeError(f"cache entry points at block {block.block_id} of another hash")
+        ph = self.placeholder
+        if ph is not None and (ph.ref_cnt != 1 or ph.block_hash is not None):
+            raise RuntimeError(f"placeholder block {ph.block_id} was referenced or cached")
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:

@@ -29,6 +29,20 @@ known so far, prompt + outputs, and only ever grows):
    step 1, where it gets prefix hits for its own earlier full blocks if they were not evicted.
    Free also forgets the request's cached hashes, so call it for a request that only ever
    reached ``get_computed_blocks`` as well (unknown ids are a no-op).
+
+**Sliding window** (``sliding_window=W``, every layer attends only to the W most recent keys: a
+query at position p reads keys k with p - W < k <= p). A step whose first new token is at
+position c = ``num_computed_tokens`` has no present or future query reading a key before
+c - W + 1, so ``allocate_slots`` releases every block lying wholly before it, the first
+``max(0, c - W + 1) // block_size`` entries of the table, before it counts the free blocks the
+step needs. A released block goes back to the free queue with its hash, like a freed one. Its
+table entry then points at one shared placeholder block (block 0, pinned by the pool), so
+``get_block_ids`` keeps one entry per block the sequence spans and the slot of every live
+position is unchanged. The model's attention must mask keys outside the window: the
+placeholder's slots hold no one's KV. A prefix hit of n blocks needs only what the first
+new token (position n * block_size) reads, the blocks covering positions from
+n * block_size - W + 1 on; earlier blocks of the hit may have been evicted and are placeholders.
+:attr:`KVCacheManager.num_blocks` and ``usage`` leave the placeholder out.
 """
 
 from __future__ import annotations
@@ -81,7 +95,11 @@ def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int], salt: byte
 
 
 class KVCacheManager:
-    """Allocates blocks to requests and finds the longest cached prefix of a new request."""
+    """Allocates blocks to requests and finds the longest cached prefix of a new request.
+
+    ``sliding_window`` (tokens, or ``None`` for full attention) turns on the window rules of
+    the module docstring and reserves one of the ``num_blocks`` pool blocks as the placeholder.
+    """
 
     def __init__(
         self,
@@ -89,13 +107,22 @@ class KVCacheManager:
         block_size: int = 16,
         enable_caching: bool = True,
         salt: bytes = b"",
+        sliding_window: int | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and (
+            isinstance(sliding_window, bool)
+            or not isinstance(sliding_window, int)
+            or sliding_window <= 0
+        ):
+            raise ValueError(f"sliding_window must be a positive int, got {sliding_window!r}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.salt = salt
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
+        self._placeholder = self.pool.reserve_placeholder() if sliding_window else None
         self._req_blocks: dict[str, list[KVBlock]] = {}
         # Chained hashes of the request's full blocks, computed once each.
         self._req_hashes: dict[str, list[bytes]] = {}
@@ -106,7 +133,8 @@ class KVCacheManager:
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks requests can hold: the pool's, less the placeholder under a sliding window."""
+        return self.pool.num_usable_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -127,12 +155,15 @@ class KVCacheManager:
             return _EMPTY, 0
         hashes = self._block_hashes(request_id, token_ids, len(token_ids))
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for block_hash in hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
+        if self._placeholder is not None and self.sliding_window is not None:
+            hits = self._window_hit(hashes[:max_blocks], self._placeholder, self.sliding_window)
+        else:
+            hits = []
+            for block_hash in hashes[:max_blocks]:
+                block = self.pool.get_cached_block(block_hash)
+                if block is None:
+                    break
+                hits.append(block)
         num_hit_tokens = len(hits) * self.block_size
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += num_hit_tokens
@@ -151,7 +182,7 @@ class KVCacheManager:
         ``new_computed_blocks`` (first allocation only) are the prefix hits from
         :meth:`get_computed_blocks`, already counted in ``num_computed_tokens``. Returns the
         newly allocated blocks (possibly none), or ``None`` with nothing changed when the pool
-        is short.
+        is short, even when blocks outside the window would have been released.
         """
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError("token counts must be non-negative")
@@ -168,13 +199,32 @@ class KVCacheManager:
         num_tokens = num_computed_tokens + num_new_tokens
         num_required = -(-num_tokens // self.block_size)
         num_new_blocks = max(0, num_required - len(held) - len(hits))
-        # Hits that sit in the free queue stop being free once touched.
-        num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
-        if num_new_blocks + num_hits_free > self.pool.num_free_blocks:
+        ph = self._placeholder
+        first_dying = 0
+        dying: list[KVBlock] = []
+        if ph is not None:
+            num_dead = self._num_dead_blocks(num_computed_tokens)
+            # Hits before the window are never read: they stay placeholders, untouched.
+            hits = (ph,) * min(num_dead, len(hits)) + hits[num_dead:]
+            # Released entries are a leading run of placeholders, so the walk back is short.
+            end = first_dying = min(num_dead, len(held))
+            while first_dying > 0 and held[first_dying - 1] is not ph:
+                first_dying -= 1
+            dying = held[first_dying:end]
+        real_hits = [b for b in hits if b is not ph]
+        # Hits that sit in the free queue stop being free once touched; blocks that leave the
+        # window and that no one else holds become free before the new ones are taken.
+        num_hits_free = sum(1 for b in real_hits if b.ref_cnt == 0)
+        num_released = sum(1 for b in dying if b.ref_cnt == 1)
+        if num_new_blocks + num_hits_free > self.pool.num_free_blocks + num_released:
             return None
 
+        if ph is not None and dying:
+            held[first_dying : first_dying + len(dying)] = [ph] * len(dying)
+            # In position order, as decoding releases them one at a time: earliest evicted first.
+            self.pool.free_blocks(dying)
         # Touch before allocating so the new blocks cannot evict the hits.
-        self.pool.touch(hits)
+        self.pool.touch(real_hits)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         blocks = self._req_blocks.setdefault(request_id, [])
         blocks.extend(hits)
@@ -187,7 +237,8 @@ class KVCacheManager:
             if num_full > num_cached:
                 hashes = self._block_hashes(request_id, token_ids, num_known)
                 for i in range(num_cached, num_full):
-                    self.pool.cache_full_block(blocks[i], hashes[i])
+                    if blocks[i] is not ph:
+                        self.pool.cache_full_block(blocks[i], hashes[i])
                 self._num_cached[request_id] = num_full
         return KVCacheBlocks(tuple(new_blocks))
 
@@ -196,7 +247,8 @@ class KVCacheManager:
         blocks = self._req_blocks.pop(request_id, [])
         self._req_hashes.pop(request_id, None)
         self._num_cached.pop(request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        ph = self._placeholder
+        self.pool.free_blocks(b for b in reversed(blocks) if b is not ph)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (empty for a request holding no blocks)."""
@@ -209,14 +261,18 @@ class KVCacheManager:
     def check_consistency(self) -> None:
         """Raise ``RuntimeError`` if pool or request bookkeeping is inconsistent. For tests."""
         self.pool.check_consistency()
+        ph = self._placeholder
         refs: dict[int, int] = {}
         for request_id, blocks in self._req_blocks.items():
-            if len({b.block_id for b in blocks}) != len(blocks):
+            real = [b for b in blocks if b is not ph]
+            if blocks[len(blocks) - len(real) :] != real:
+                raise RuntimeError(f"request {request_id} has a placeholder after a live block")
+            if len({b.block_id for b in real}) != len(real):
                 raise RuntimeError(f"request {request_id} holds a block twice")
-            for b in blocks:
+            for b in real:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
-            if block.ref_cnt != refs.get(block.block_id, 0):
+            if block is not ph and block.ref_cnt != refs.get(block.block_id, 0):
                 raise RuntimeError(
                     f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
                     f"{refs.get(block.block_id, 0)} requests hold it"
@@ -233,6 +289,33 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self.salt))
         return hashes
 
+    def _num_dead_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks wholly before c - W + 1, which no query from position c on reads."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def _window_hit(self, hashes: Sequence[bytes], ph: KVBlock, window: int) -> list[KVBlock]:
+        """The longest hit whose first new token finds every key of its window cached.
+
+        A hit of n blocks starts computing at c = n * bs, which reads keys from c - W + 1 on:
+        the hit's last ceil((W - 1) / bs) blocks, or all n of them when n is smaller. Scanning
+        from the right, the first run of that many cached blocks ends the longest hit; without
+        one, only a run from block 0 can hit. At least one block must be cached (vLLM's rule
+        too), so a window of 1 does not claim hits on an empty cache.
+        """
+        need = max(1, -(-(window - 1) // self.block_size))
+        run: list[KVBlock] = []  # cached blocks right of the scan, nearest first
+        for i in range(len(hashes) - 1, -1, -1):
+            block = self.pool.get_cached_block(hashes[i])
+            if block is None:
+                run.clear()
+                continue
+            run.append(block)
+            if len(run) == need:
+                return [ph] * i + run[::-1]
+        return run[::-1]
+
     def _check_hits_still_cached(
         self, request_id: str, token_ids: Sequence[int], hits: tuple[KVBlock, ...]
     ) -> None:
@@ -240,6 +323,8 @@ class KVCacheManager:
         # someone else's KV; that can only happen if the scheduler allocated in between.
         hashes = self._block_hashes(request_id, token_ids, len(token_ids))
         for i, block in enumerate(hits):
+            if block is self._placeholder:
+                continue  # outside the window: nothing of it is read
             if i >= len(hashes) or block.block_hash != hashes[i]:
                 raise RuntimeError(
                     f"prefix hit block {block.block_id} of request {request_id} was evicted "

@@ -83,8 +83,14 @@ class LLMEngine(Engine):
             dtype,
             device,
         )
+        # Where every layer slides (Mistral v0.1, Phi-3), blocks behind the window are freed
+        # as a sequence grows; a model with full-attention layers too (Gemma 3) needs them all.
         self.kv_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, config.prefix_cache_salt
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.prefix_cache_salt,
+            sliding_window=cfg.uniform_window,
         )
         sched = SchedulerConfig(
             config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len
@@ -123,9 +129,15 @@ class LLMEngine(Engine):
         max_new = want or self.max_model_len - n
         # A sequence must fit the whole KV budget by itself, or it would preempt itself forever.
         capacity = self.kv_manager.num_blocks * self.config.block_size
-        if n + max_new > capacity:
+        need = n + max_new
+        window = self.kv_manager.sliding_window
+        if window is not None:  # it holds at most a window, a prefill chunk and 2 partial blocks
+            need = min(
+                need, window + self.config.max_num_batched_tokens + 2 * self.config.block_size
+            )
+        if need > capacity:
             raise RequestRejected(
-                f"the request needs up to {n + max_new} tokens of KV cache; this replica holds "
+                f"the request needs up to {need} tokens of KV cache; this replica holds "
                 f"{capacity} (lower max_tokens)",
                 CONTEXT_LENGTH_EXCEEDED,
             )

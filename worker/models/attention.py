@@ -19,7 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from hotpool.kernels import cpu_ops
-from hotpool.kernels.paged_attention import paged_decode, paged_prefill, write_kv
+from hotpool.kernels.paged_attention import (
+    decode_key_bias,
+    paged_decode,
+    paged_prefill,
+    write_kv,
+)
 from hotpool.worker.models import kv_memory
 
 
@@ -29,12 +34,19 @@ class Attention(ABC):
     Contract: ``q`` is ``[T, num_heads, head_dim]``, ``k`` and ``v`` are
     ``[T, num_kv_heads, head_dim]`` for the step's T new tokens (rotary already applied);
     the result is ``[T, num_heads, head_dim]``, causal over the cached context plus the new
-    tokens. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    tokens. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. With a
+    ``window`` (a sliding-window layer), the query at position p sees only the keys at
+    positions ``p - window < k <= p`` (HF's rule).
     """
 
     @abstractmethod
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -69,12 +81,19 @@ class ContiguousAttention(Attention):
         self.end = start + num_tokens
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         self.cache.k[layer, self.start : self.end] = k
         self.cache.v[layer, self.start : self.end] = v
         keys = self.cache.k[layer, : self.end]
         values = self.cache.v[layer, : self.end]
+        if window is not None:
+            return _windowed(q, keys, values, self.start, window)
         if q.shape[0] == 1:
             return _decode_one(q, keys, values)
         return _prefill(q, keys, values, self.start)
@@ -104,6 +123,24 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: i
         values.transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
         is_causal=start == 0,
+        enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _windowed(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int
+) -> torch.Tensor:
+    """The obvious sliding-window attention: an explicit mask, position p sees (p - w, p]."""
+    t, s = q.shape[0], keys.shape[0]
+    cols = torch.arange(s, device=q.device)[None, :]
+    rows = torch.arange(start, start + t, device=q.device)[:, None]
+    mask = (cols <= rows) & (cols > rows - window)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
         enable_gqa=True,
     )
     return out.squeeze(0).transpose(0, 1)
@@ -182,31 +219,46 @@ class PagedAttention(Attention):
         self.cache = cache
         self.meta = meta
         self.kernels = kernels or attention_kernels(cache.k[0])
+        # The decode key bias of each window this step's layers use, built on first use:
+        # one per step for a model, as the metadata's own (window None) is.
+        self._key_bias: dict[int, torch.Tensor] = {}
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         m, kern = self.meta, self.kernels
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         kern.write_kv(k_cache, v_cache, k, v, m.slot_mapping)
+        bias = self._decode_bias(window)
+        tables, lens = m.decode_block_tables, m.decode_seq_lens
         if not m.prefills:
-            return kern.decode(
-                q, k_cache, v_cache, m.decode_block_tables, m.decode_seq_lens, m.decode_key_bias
-            )
+            return kern.decode(q, k_cache, v_cache, tables, lens, bias, window=window)
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         if m.num_decodes:
             out[: m.num_decodes] = kern.decode(
-                q[: m.num_decodes],
-                k_cache,
-                v_cache,
-                m.decode_block_tables,
-                m.decode_seq_lens,
-                m.decode_key_bias,
+                q[: m.num_decodes], k_cache, v_cache, tables, lens, bias, window=window
             )
         for p in m.prefills:
             rows = slice(p.q_start, p.q_start + p.num_tokens)
-            out[rows] = kern.prefill(q[rows], k_cache, v_cache, p.block_table, p.start)
+            out[rows] = kern.prefill(
+                q[rows], k_cache, v_cache, p.block_table, p.start, window=window
+            )
         return out
+
+    def _decode_bias(self, window: int | None) -> torch.Tensor | None:
+        m = self.meta
+        if window is None or m.decode_key_bias is None:
+            return m.decode_key_bias
+        bias = self._key_bias.get(window)
+        if bias is None:
+            width = m.decode_key_bias.shape[-1]
+            bias = self._key_bias[window] = decode_key_bias(m.decode_seq_lens, width, window)
+        return bias
 
 
 @dataclass(frozen=True)
@@ -272,17 +324,23 @@ def _short_prefill_as_decodes(
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
     start: int,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """``paged_prefill``'s function: token i of the chunk attends to ``start + i + 1`` keys."""
+    """``paged_prefill``'s function: token i of the chunk attends to ``start + i + 1`` keys
+    (the last ``window`` of them: as a decode row, each token's window applies by itself)."""
     t = q.shape[0]
-    if t * (start + t) > SHORT_PREFILL_PAIRS:
-        return paged_prefill(q, k_cache, v_cache, block_table, start)
+    keys = start + t if window is None else min(start + t, window)  # the most a row reads
+    if t * keys > SHORT_PREFILL_PAIRS:
+        return paged_prefill(q, k_cache, v_cache, block_table, start, window)
     tables = block_table.expand(t, -1).contiguous()
     seq_lens = torch.arange(start + 1, start + t + 1, device=q.device)
-    return decode(q, k_cache, v_cache, tables, seq_lens)
+    return decode(q, k_cache, v_cache, tables, seq_lens, window=window)
 
 
 def _without_key_bias(
-    kernel: Callable[..., torch.Tensor], *args: torch.Tensor, key_bias: object = None
+    kernel: Callable[..., torch.Tensor],
+    *args: torch.Tensor,
+    key_bias: object = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    return kernel(*args[:5])
+    return kernel(*args[:5], window=window)

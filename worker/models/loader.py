@@ -8,10 +8,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from hotpool.worker.models.llama import LlamaConfig, LlamaModel, convert_hf_state_dict, rotary_for
+from hotpool.worker.models.families import SUPPORTED_ARCHITECTURES, family_for
+from hotpool.worker.models.llama import LlamaModel, local_rotary_for, rotary_for
 from hotpool.worker.models.packed_linear import pack_linears, packing_available
+from hotpool.worker.models.weights import convert_hf_state_dict
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+__all__ = ["DTYPES", "SUPPORTED_ARCHITECTURES", "ModelLoadError", "load_model"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -23,17 +25,17 @@ class ModelLoadError(Exception):
 def load_model(
     path: Path, device: torch.device, dtype: torch.dtype | None = None, pack: bool = True
 ) -> LlamaModel:
-    """Load a HF-format Llama-family checkpoint. ``dtype=None`` keeps the checkpoint's dtype;
-    ``pack`` prepacks linear weights where that is faster (bf16 on CPU)."""
+    """Load a HF-format checkpoint of a supported family. ``dtype=None`` keeps the
+    checkpoint's dtype; ``pack`` prepacks linear weights where that is faster (bf16 on CPU)."""
     config = json.loads((path / "config.json").read_text())
     arch = (config.get("architectures") or ["?"])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"architecture {arch!r} is not supported (have {SUPPORTED_ARCHITECTURES})"
-        )
     try:
-        cfg = LlamaConfig.from_hf(config)
+        family = family_for(config)
     except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    try:
+        cfg = family.parse(config)
+    except (ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"{arch}: {exc}") from exc
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -42,7 +44,7 @@ def load_model(
     for f in files:
         hf.update(load_file(f, device=str(device)))
     try:
-        state = convert_hf_state_dict(hf, cfg)
+        state = convert_hf_state_dict(hf, cfg, family.layer_parts, family.norm_offset)
     except KeyError as exc:
         raise ModelLoadError(f"checkpoint lacks tensor {exc.args[0]!r}") from None
     except ValueError as exc:
@@ -58,6 +60,7 @@ def load_model(
         raise ModelLoadError(f"checkpoint lacks {missing[:3]}")
     with torch.device(device):
         model.rope = rotary_for(cfg)
+        model.local_rope = local_rotary_for(cfg)
     model.eval().requires_grad_(False)
     if pack and packing_available(device, target):
         pack_linears(model)

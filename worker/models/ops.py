@@ -34,9 +34,18 @@ class TorchOps:
         # One fused op (it accumulates in fp32 for bf16/fp16 inputs) instead of six.
         return F.rms_norm(residual, weight.shape, weight, eps)
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm(x) * weight over the last dimension (QK-norm's heads, Gemma's outputs)."""
+        return F.rms_norm(x, weight.shape, weight, eps)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU (Gemma): ``gelu_tanh(gate) * up`` for ``[gate | up]``."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def rope_inputs(
         self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype
@@ -59,6 +68,11 @@ class NativeOps(TorchOps):
         self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
         return self.kernels.add_rms_norm(x, residual, weight, eps)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2 and x.is_contiguous():  # the fused kernel's rows (sublayer outputs)
+            return self.kernels.add_rms_norm(None, x, weight, eps)
+        return super().rms_norm(x, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_mul(gate_up)
