@@ -1,17 +1,20 @@
 """Offline engine throughput: hotpool's LLMEngine vs HF transformers ``generate``.
 
-Same model (SmolLM2-135M-Instruct snapshot), same dtype, same sampling settings, same
-machine, one run. Requests have ~128 prompt tokens and exactly 128 output tokens (EOS is
-ignored on both sides). hotpool keeps ``concurrency`` requests in flight (continuous
+Same model (a catalog model's snapshot: SmolLM2-135M-Instruct by default, or
+``--model gemma3-270m``; HF loads the very same snapshot folder), same dtype, same sampling
+settings, same machine, one run. Requests have ~128 prompt tokens and exactly 128 output
+tokens (EOS is ignored on both sides). hotpool keeps ``concurrency`` requests in flight (continuous
 batching); HF runs padded static batches of ``concurrency``. Prints a table with ratios.
 
     python benchmarks/bench_engine.py                 # concurrency 1 8 32 64
+    python benchmarks/bench_engine.py --model gemma3-270m
     python benchmarks/bench_engine.py --concurrency 32 --requests 64
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -25,7 +28,8 @@ from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
 from hotpool.worker.models.loader import DTYPES, load_model
 from hotpool.worker.models.ops import ops_for
 from hotpool.worker.protocol import SamplingParams
-from hotpool.worker.snapshot.pull import pull_smollm2
+from hotpool.worker.snapshot.model_catalog import catalog
+from hotpool.worker.snapshot.pull import pull_model
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT_TOKENS = 128
@@ -40,10 +44,10 @@ class Result:
     tpot_s: float  # mean time per output token after the first
 
 
-def snapshot(dtype: str) -> Path:
+def snapshot(dtype: str, model: str = "smollm2") -> Path:
     cache = REPO / ".cache" / "bench"
-    uri, _ = pull_smollm2(
-        f"file://{cache}/objects", f"smollm2-{dtype}", dtype, download_dir=cache / "downloads"
+    uri, _ = pull_model(
+        model, f"file://{cache}/objects", f"{model}-{dtype}", dtype, cache / "downloads"
     )
     return Path(uri.removeprefix("file://"))
 
@@ -159,6 +163,7 @@ def main() -> None:
     ap.add_argument(
         "--min-requests", type=int, default=4, help="at least this many at concurrency 1"
     )
+    ap.add_argument("--model", choices=sorted(catalog()), default="smollm2")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--skip-hf", action="store_true")
@@ -171,10 +176,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    model_dir = snapshot(args.dtype)
+    model_dir = snapshot(args.dtype, args.model)
+    config = json.loads((model_dir / "config.json").read_text())
     gb, gbps, bound = bandwidth_limit(model_dir, dtype)
-    ops = "torch" if args.torch_ops else ops_for(torch.device("cpu"), dtype, 64).name
-    print(f"SmolLM2-135M {args.dtype}, {args.threads} threads, {ops} ops; weights {gb:.3f} GB, "
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    ops = "torch" if args.torch_ops else ops_for(torch.device("cpu"), dtype, head_dim).name
+    print(f"{args.model} {args.dtype}, {args.threads} threads, {ops} ops; weights {gb:.3f} GB, "
           f"copy {gbps:.1f} GB/s -> single-stream bound {bound:.1f} tok/s", flush=True)  # fmt: skip
     header = f"{'conc':>4} {'reqs':>4} | {'hotpool tok/s':>13} {'TTFT s':>7} {'TPOT ms':>8} | "
     header += f"{'HF tok/s':>8} {'TTFT s':>7} {'TPOT ms':>8} | {'ratio':>5}"
@@ -184,7 +191,7 @@ def main() -> None:
         # At low concurrency a full 64-request run takes minutes and adds nothing: steady state
         # is reached after a few requests.
         n = min(args.requests, max(args.min_requests, 2 * c))
-        reqs = prompts(n, 49152)
+        reqs = prompts(n, int(config["vocab_size"]))
         ours = bench_hotpool(
             model_dir, dtype, reqs, c, args.max_num_batched_tokens, not args.torch_ops
         )

