@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from dense_attention import dense_attention
 
 from hotpool.kernels import cpu_ops
 from hotpool.kernels.paged_attention import paged_decode, paged_prefill, write_kv
@@ -220,22 +221,6 @@ def test_native_prefill_matches_float64_on_both_of_its_routes(
     assert bool(sdpa_calls) == (t * n > attention.SHORT_PREFILL_PAIRS)  # the route it took
 
 
-def _dense(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int | None
-) -> torch.Tensor:
-    """float64 attention of ``q [T, Hq, D]`` at positions ``start + i`` over one sequence's
-    ``keys``/``values`` ``[S, Hkv, D]``, the mask built explicitly: p - window < k <= p."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.double().repeat_interleave(group, dim=1)
-    v = values.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("thd,shd->hts", q.double(), k) * q.shape[2] ** -0.5
-    key_pos = torch.arange(keys.shape[0])[None, :]
-    q_pos = torch.arange(start, start + q.shape[0])[:, None]
-    visible = (key_pos <= q_pos) & (key_pos > q_pos - (window or keys.shape[0]))
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    return torch.einsum("hts,shd->thd", probs, v)
-
-
 def _windowed_case(
     lens: list[int], window: int, n_heads: int, n_kv: int, block_size: int, dim: int, seed: int
 ) -> tuple[torch.Tensor, ...]:
@@ -258,7 +243,7 @@ def _windowed_case(
             block, row = tables[b, pos // block_size], pos % block_size
             k_cache[:, block, row], v_cache[:, block, row] = keys[pos], values[pos]
         tables[b, : first // block_size] = 0
-        refs.append(_dense(q[b : b + 1], keys, values, n - 1, window))
+        refs.append(dense_attention(q[b : b + 1], keys, values, n - 1, window))
     return q, k_cache, v_cache, tables, torch.tensor(lens), torch.cat(refs)
 
 
@@ -331,7 +316,7 @@ def test_native_kernels_apply_a_window_on_both_prefill_routes_and_in_decode(
     monkeypatch.setattr(attention, "paged_prefill", counted)
     kernels = attention.attention_kernels(k_cache, backend="native")
     ours = kernels.prefill(q, k_cache, v_cache, table, start, window=window)
-    ref = _dense(q, keys, values, start, window)
+    ref = dense_attention(q, keys, values, start, window)
     sdpa = t * min(n, window) > attention.SHORT_PREFILL_PAIRS
     assert bool(sdpa_calls) == sdpa  # the route it took
     # bf16 SDPA rounds its probabilities to bf16 before weighting the values: its error is

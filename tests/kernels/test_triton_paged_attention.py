@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from dense_attention import dense_attention
 
 from hotpool.kernels.paged_attention import paged_decode, paged_prefill
 from hotpool.kernels.triton_paged_attention import (
@@ -205,22 +206,6 @@ def test_wrappers_reject_a_cache_not_dense_in_head_dim() -> None:
         _decode(_Q, k, _V, _T, _L)
 
 
-def _dense(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int
-) -> torch.Tensor:
-    """float64 attention of ``q [T, Hq, D]`` at positions ``start + i`` over one sequence's
-    ``keys``/``values`` ``[S, Hkv, D]``, the mask built explicitly: p - window < k <= p."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.double().repeat_interleave(group, dim=1)
-    v = values.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("thd,shd->hts", q.double(), k) * q.shape[2] ** -0.5
-    key_pos = torch.arange(keys.shape[0])[None, :]
-    q_pos = torch.arange(start, start + q.shape[0])[:, None]
-    visible = (key_pos <= q_pos) & (key_pos > q_pos - window)
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    return torch.einsum("hts,shd->thd", probs, v)
-
-
 def _poisoned(
     lens: list[int], firsts: list[int], n_kv: int, d: int, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -255,7 +240,7 @@ def _windowed_decode(
     k_cache, v_cache, tables, own = _poisoned(lens, firsts, n_kv, d, dtype, seed=window + d)
     q = torch.randn(len(lens), n_heads, d, generator=torch.Generator().manual_seed(d)).to(dtype)
     out = _decode(q, k_cache, v_cache, tables, torch.tensor(lens), None, window)
-    refs = [_dense(q[b : b + 1], *own[b], n - 1, window) for b, n in enumerate(lens)]
+    refs = [dense_attention(q[b : b + 1], *own[b], n - 1, window) for b, n in enumerate(lens)]
     return out, torch.cat(refs)
 
 
@@ -294,7 +279,7 @@ def _windowed_prefill(
     )
     q = torch.randn(t, n_heads, d, generator=torch.Generator().manual_seed(t))
     out = _prefill(q, k_cache, v_cache, table, start, window)
-    return out, _dense(q, keys, values, start, window)
+    return out, dense_attention(q, keys, values, start, window)
 
 
 @pytest.mark.parametrize(
