@@ -841,6 +841,15 @@ void hp_sum_above(const float *w, int64_t rows, int64_t v, const float *pivot, f
  * the logit itself, so a repeated id is penalized once, except by frequency, which counts
  * every occurrence. The ids are in [0, v) (the caller checks). rep == NULL: no penalties.
  *
+ * Then the grammar's bitmask, where mask is not NULL: row r's words at mask + r * mask_stride,
+ * bit j of word w allowing token 32 w + j. A row that allows every token reads its logits
+ * as it would without one. Any other is copied into the buffer (after its penalties, in
+ * place) with -inf at the tokens it disallows, in the pass that finds its largest allowed
+ * logit; every later pass (max, weights, argmax) reads that copy, and reads nothing of the
+ * mask: disallowed tokens weigh exactly 0, as -inf logits do, so top_k's blocks, the draw
+ * and top_p's rejection never count them. A masked row whose allowed logits are all -inf
+ * gets token -1 (no distribution).
+ *
  * A row without a finite largest logit (NaN, +inf, all -inf) gets some in-range token: the
  * caller reports those rows, never their tokens.
  */
@@ -1037,12 +1046,50 @@ static int64_t sample_row(const float *xr, int64_t v, float t, int64_t k, float 
     return at != NULL ? at[tok] : tok;
 }
 
+/* Whether the bitmask row mk allows every one of the v tokens (bits past v ignored). */
+static int allows_all(const int32_t *mk, int64_t v) {
+    int64_t full = v / 32;
+    for (int64_t w = 0; w < full; ++w)
+        if (mk[w] != -1) return 0;
+    if (v % 32 == 0) return 1;
+    uint32_t tail = (1u << (v % 32)) - 1u;
+    return ((uint32_t)mk[full] & tail) == tail;
+}
+
+/* w = xr with -inf at the tokens mk disallows (w may be xr); returns the largest allowed
+ * logit, NaNs left out (-inf when none is finite). A word at a time: the 32 bits of one word
+ * test 32 lanes, and the running maxima stay per lane until the end. */
+static float mask_row(const float *xr, int64_t v, const int32_t *mk, float *w) {
+    float acc[32];
+    for (int i = 0; i < 32; ++i) acc[i] = -INFINITY;
+    int64_t full = v / 32;
+    for (int64_t k = 0; k < full; ++k) {
+        uint32_t bits = (uint32_t)mk[k];
+        const float *xk = xr + 32 * k;
+        float *wk = w + 32 * k;
+#pragma omp simd
+        for (int i = 0; i < 32; ++i) {
+            float y = (bits >> i) & 1u ? xk[i] : -INFINITY;
+            wk[i] = y;
+            acc[i] = y > acc[i] ? y : acc[i];
+        }
+    }
+    for (int64_t j = 32 * full; j < v; ++j) {
+        float y = ((uint32_t)mk[full] >> (j - 32 * full)) & 1u ? xr[j] : -INFINITY;
+        w[j] = y;
+        acc[0] = y > acc[0] ? y : acc[0];
+    }
+    float m = -INFINITY;
+    for (int i = 0; i < 32; ++i) m = acc[i] > m ? acc[i] : m;
+    return m;
+}
+
 /* Returns how many rows got a nonzero status (the caller's to sample). */
 int64_t hp_sample(const float *x, int64_t rows, int64_t v, const float *temperature,
                   const int64_t *top_k, const float *top_p, const float *min_p, const float *u,
                   int64_t nu, const int64_t *ids, const int64_t *off, const float *rep,
-                  const float *presence, const float *frequency, int64_t *tokens,
-                  int32_t *status) {
+                  const float *presence, const float *frequency, const int32_t *mask,
+                  int64_t mask_stride, int64_t *tokens, int32_t *status) {
     int64_t left = 0;
 #pragma omp parallel for schedule(dynamic, 1) if (rows > 1) reduction(+ : left)
     for (int64_t r = 0; r < rows; ++r) {
@@ -1059,6 +1106,16 @@ int64_t hp_sample(const float *x, int64_t rows, int64_t v, const float *temperat
             /* The penalized copy is the row from here on: max and weights read it, and the
                weights overwrite it in place. */
             penalize(xr, v, ids, off + 3 * r, rep[r], presence[r], frequency[r], buf->w);
+            xr = buf->w;
+        }
+        const int32_t *mk = mask != NULL ? mask + r * mask_stride : NULL;
+        if (mk != NULL && !allows_all(mk, v)) {
+            /* The masked copy is the row from here on, as the penalized one is. */
+            if (!(mask_row(xr, v, mk, buf->w) > -INFINITY)) {
+                tokens[r] = -1; /* nothing allowed is finite: no distribution */
+                status[r] = 0;
+                continue;
+            }
             xr = buf->w;
         }
         tokens[r] = sample_row(xr, v, temperature[r], top_k[r], top_p[r], min_p[r],

@@ -50,7 +50,7 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "hp_gate_up": (_P, _I, _I, _P, _I, _P, ctypes.c_int, _P),
     "hp_softmax_t": (_P, _I, _I, _P, _P),
     "hp_sum_above": (_P, _I, _I, _P, _P),
-    "hp_sample": (_P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P),
+    "hp_sample": (_P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P),
 }
 
 
@@ -367,14 +367,18 @@ class CpuOps:
         min_p: torch.Tensor,
         uniforms: torch.Tensor,
         penalties: Penalties | None = None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One token per row of float32 logits ``x`` ``[R, V]`` (contiguous), with each
         row's float32 ``temperature`` (below 1e-5: greedy), int64 ``top_k`` (0: off),
         ``top_p``, ``min_p``, ``uniforms`` ``[R, N]`` in [0, 1) (the draw's, then one per
-        top_p rejection round) and ``penalties`` (applied to a copy of each penalized row;
-        ``x`` is not changed). Returns the tokens ``[R]`` int64, a status ``[R]`` int32 (0
-        sampled; 1 top_p rejected every draw, 2 no buffer: the caller samples those rows)
-        and how many rows have a nonzero status."""
+        top_p rejection round), ``penalties`` (applied to a copy of each penalized row;
+        ``x`` is not changed) and ``mask``, the grammar's int32 token bitmask ``[R, (V +
+        31) // 32]`` (``sampling_bitmask``; words contiguous, rows may be strided), applied
+        after the penalties. Returns the tokens ``[R]`` int64 (-1 for a masked row whose
+        allowed logits are all -inf), a status ``[R]`` int32 (0 sampled; 1 top_p rejected
+        every draw, 2 no buffer: the caller samples those rows) and how many rows have a
+        nonzero status."""
         _f32_rows(x, "x")
         rows = x.shape[0]
         t = _f32_column(temperature, rows, "temperature")
@@ -392,11 +396,14 @@ class CpuOps:
                 getattr(penalties, name).data_ptr()
                 for name in ("ids", "offsets", "repetition", "presence", "frequency")
             )
+        if mask is not None:
+            _bitmask(mask, rows, x.shape[1])
         tokens = torch.empty(rows, dtype=torch.int64)
         status = torch.empty(rows, dtype=torch.int32)
         left = self._lib.hp_sample(
             x.data_ptr(), rows, x.shape[1], t.data_ptr(), k.data_ptr(), p.data_ptr(),
             m.data_ptr(), uniforms.data_ptr(), uniforms.shape[1], *pointers,
+            None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
             tokens.data_ptr(), status.data_ptr(),
         )  # fmt: skip
         return tokens, status, int(left)
@@ -438,6 +445,16 @@ def _f32_rows(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be a [R, V] float32 CPU tensor, got {t.dtype} {t.shape}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def _bitmask(t: torch.Tensor, rows: int, v: int) -> None:
+    words = (v + 31) // 32
+    if t.dtype != torch.int32 or t.device.type != "cpu" or t.shape != (rows, words):
+        raise ValueError(
+            f"mask must be a [{rows}, {words}] int32 CPU tensor, got {t.dtype} {tuple(t.shape)}"
+        )
+    if words > 1 and t.stride(1) != 1:
+        raise ValueError(f"mask words must be contiguous, got strides {t.stride()}")
 
 
 def _f32_column(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:

@@ -6,10 +6,16 @@ Each row carries its own parameters (``SamplingRow``). Every path applies them i
    output has a positive logit divided by ``repetition_penalty`` and a negative one
    multiplied. Then presence and frequency (OpenAI): over the output tokens,
    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
-2. **Logprobs** are taken from the model's RAW logits: ``log_softmax`` before penalties and
-   temperature, for the sampled token and the top-N (what OpenAI's API reports).
+1b. **Grammar mask** (``sample(..., token_bitmask=...)``, structured outputs): a token the
+   row's bitmask disallows is sampled as if its penalized logit were -inf. Everything below
+   sees only the allowed tokens, renormalized: min_p's largest probability, top_k's k-th,
+   top_p's mass, the greedy argmax.
+2. **Logprobs** are taken from the model's RAW logits: ``log_softmax`` before penalties, the
+   mask and temperature, for the sampled token and the top-N (what OpenAI's API reports,
+   and vLLM's default ``raw_logprobs``): a top-N may name tokens the mask disallows.
 3. **Temperature**. Below 1e-5 (0 included), and with ``top_k == 1``, the row is greedy: the
-   argmax of the penalized logits (the lowest token id among equals), whatever its filters.
+   argmax of the penalized, masked logits (the lowest token id among equals), whatever its
+   filters.
 4. **min_p**: drop tokens whose probability is below ``min_p`` times the largest one.
 5. **top_k**.
 6. **top_p** over the survivors of 4-5, renormalized; the token that crosses ``top_p``
@@ -45,12 +51,21 @@ Philox numbers from ``(seed, offset)`` per row: the row's own seed; else one dra
 seeded row's tokens never depend on the rest of the batch, and on one path the same
 ``(seed, offset)`` gives the same token; the paths do not reproduce each other's tokens.
 ``offset`` is the number of tokens the request has generated so far, so each step of a
-seeded request draws afresh.
+seeded request draws afresh. A row whose mask allows every token (all -1) gets the token it
+would get without a mask, on every path.
+
+The mask (``sampling_bitmask``) is llguidance's and xgrammar's layout: int32 ``[B, (V + 31)
+// 32]``, bit ``j`` of word ``w`` allows token ``32 * w + j``, bits past V ignored. The
+grammar engine fills it on the CPU; for CUDA logits it is copied to the device once per call
+(without waiting, from pinned memory; the call waits for its results anyway, so the host
+buffer is free to refill when ``sample`` returns). The C sampler and the Triton kernel test
+the bits as they read the logits; the torch code and the reference unpack them.
 
 Modules: ``sampling_types`` (``SamplingRow``, ``SamplerOutput``, ``NonFiniteLogitsError``,
 re-exported here), ``sampling_penalties`` (step 1), ``sampling_random`` (the randomness
 rules above), ``sampling_torch``, ``triton_sampling`` with ``sampling_pivot_search``,
-``sampling_reference`` (the paths), ``sampling_transfer`` (host and device copies).
+``sampling_reference`` (the paths), ``sampling_transfer`` (host and device copies),
+``sampling_bitmask`` (step 1b's mask: its checks, and unpacking it).
 
 Errors. A row holding NaN or +inf, or no finite logit at all, has no distribution:
 ``sample`` raises ``NonFiniteLogitsError`` naming those rows, never returning a token for
@@ -58,7 +73,10 @@ them. The torch path finds them for free in the raw ``log_softmax`` it computes 
 logprobs (on the CPU at once, elsewhere with the results); the Triton kernel marks them with
 token -1, read after the one copy of the results to the host, where the call waits anyway.
 Sampling such a row first is harmless: every path keeps its indices inside the row. A row
-masked to -inf except for some tokens samples among those.
+masked to -inf except for some tokens samples among those. So does a row whose bitmask
+allows only some tokens; one whose allowed logits are all -inf (or that allows none) has no
+distribution and raises ``NonFiniteLogitsError`` too; so does a row with NaN or +inf at a
+token its mask disallows (the raw logprobs would be NaN).
 """
 
 from __future__ import annotations
@@ -71,11 +89,12 @@ from types import ModuleType
 
 import torch
 
+from hotpool.kernels.sampling_bitmask import check_bitmask
 from hotpool.kernels.sampling_penalties import apply_penalties
 from hotpool.kernels.sampling_random import row_generators
 from hotpool.kernels.sampling_reference import reference_sample
 from hotpool.kernels.sampling_torch import topk, torch_sample_tokens
-from hotpool.kernels.sampling_transfer import kernel_params, to_host
+from hotpool.kernels.sampling_transfer import kernel_params, to_device, to_host
 from hotpool.kernels.sampling_types import NonFiniteLogitsError, SamplerOutput, SamplingRow
 
 __all__ = ["BACKENDS", "NonFiniteLogitsError", "SamplerOutput", "SamplingRow", "sample"]
@@ -85,21 +104,36 @@ _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def sample(
-    logits: torch.Tensor, rows: Sequence[SamplingRow], *, backend: str | None = None
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    *,
+    backend: str | None = None,
+    token_bitmask: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """Sample one token per row of ``logits`` ``[B, V]`` (floating point, any device); the
     results are on the CPU. ``backend``: ``"torch"``, ``"triton"``, ``"reference"``, or None
-    to choose by device. Raises ``NonFiniteLogitsError`` for rows with nothing to sample."""
+    to choose by device. ``token_bitmask``: the grammar's allowed tokens, int32 ``[B, (V +
+    31) // 32]`` on the CPU (see above), or None. Raises ``NonFiniteLogitsError`` for rows
+    with nothing to sample, ValueError for a malformed ``token_bitmask``."""
     if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] == 0:
         raise ValueError(f"logits {tuple(logits.shape)} are not [{len(rows)} rows, V > 0]")
     if not logits.is_floating_point():
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    mask = None
+    if token_bitmask is not None:
+        b, v = logits.shape
+        mask = check_bitmask(token_bitmask, b, v).contiguous()
+        if mask.device != logits.device:
+            mask = to_device(mask.cpu(), logits.device)
     path = backend or _automatic(logits)
     if path == "reference":
-        return reference_sample(logits, rows)
-    out = _sample_triton(logits, rows) if path == "triton" else _sample_torch(logits, rows)
+        return reference_sample(logits, rows, mask)
+    if path == "triton":
+        out = _sample_triton(logits, rows, mask)
+    else:
+        out = _sample_torch(logits, rows, mask)
     bad = (out.token_ids < 0).nonzero().squeeze(1).tolist()
     if bad:
         raise NonFiniteLogitsError(bad)
@@ -124,12 +158,14 @@ def _triton_kernels() -> ModuleType | None:
         return None
 
 
-def _sample_torch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+def _sample_torch(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], mask: torch.Tensor | None
+) -> SamplerOutput:
     raw = logits.float()
-    # Penalties are applied there, to a copy (raw logits give the logprobs below). A row
-    # without a distribution samples some in-range token, harmlessly: it is found below for
-    # free and never returned.
-    tokens = torch_sample_tokens(raw, rows, row_generators(rows))
+    # Penalties and the mask are applied there, to a copy (raw logits give the logprobs
+    # below). A row without a distribution samples some in-range token, harmlessly: it is
+    # found below for free and never returned (a masked one with nothing allowed: token -1).
+    tokens = torch_sample_tokens(raw, rows, row_generators(rows), mask)
     n = _num_logprobs(rows, raw.shape[1])
     if n or any(r.logprob for r in rows):
         # log_softmax is NaN throughout a row with NaN or +inf, or with no finite logit, and
@@ -140,6 +176,8 @@ def _sample_torch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerO
     else:  # nobody reads a logprob: the row maximum finds those rows in one cheap pass
         raw_logprobs = None
         bad = ~torch.isfinite(raw.amax(dim=1))
+    if mask is not None:
+        bad |= tokens < 0
     if raw.device.type == "cpu":
         if bool(bad.any()):
             raise NonFiniteLogitsError(bad.nonzero().squeeze(1).tolist())
@@ -154,7 +192,9 @@ def _sample_torch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerO
     )
 
 
-def _sample_triton(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+def _sample_triton(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], mask: torch.Tensor | None
+) -> SamplerOutput:
     kernels = _triton_kernels()
     if kernels is None:
         raise ValueError("backend 'triton' needs the triton package, which does not import")
@@ -169,15 +209,26 @@ def _sample_triton(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Sampler
     # Known here, on the host: a batch without filters runs the kernel without their code.
     filters = any(r.top_k > 0 or r.top_p < 1.0 or r.min_p > 0.0 for r in rows)
     tokens, logprobs = kernels.triton_sample(
-        x, k.temperature, k.top_k, k.top_p, k.min_p, k.seeds, k.offsets, filters=filters
+        x,
+        k.temperature,
+        k.top_k,
+        k.top_p,
+        k.min_p,
+        k.seeds,
+        k.offsets,
+        filters=filters,
+        token_bitmask=mask,
     )
     n = _num_logprobs(rows, logits.shape[1])
     top = None
-    if penalized or n:  # the kernel saw penalized logits; logprobs are the raw ones'
+    changed = penalized or mask is not None
+    if changed or n:  # the kernel saw penalized, masked logits; logprobs are the raw ones'
         raw = logits.float()
         lse = torch.logsumexp(raw, dim=1, keepdim=True)
-        if penalized:
+        if changed:
             logprobs = (raw.gather(1, tokens.clamp(min=0)[:, None]) - lse).squeeze(1)
+        if mask is not None:  # the kernel saw no NaN or +inf at a disallowed token
+            tokens = torch.where(lse.squeeze(1).isfinite(), tokens, -1)
         if n:
             values, ids = topk(raw, n)
             top = (values - lse, ids)

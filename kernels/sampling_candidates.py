@@ -31,24 +31,25 @@ from hotpool.kernels.sampling_pivot_search import any_row, load_tile, survives
 def gather(
     base, cbase, row_ok, V, cut, m, inv_t, floor, min_p,
     WANT_MASS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SLOTS: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, mbase, MASKED: tl.constexpr,
 ):  # fmt: skip
     """Copy each row's logits ``>= cut`` into its slots at ``cbase`` ``[ROWS, 1]``; rows
     not in ``row_ok`` copy nothing. Returns each lane's count of candidates ``[ROWS,
     BLOCK]`` (past ``SLOTS``: the row overflowed, and only its first ``SLOTS`` per lane
     were kept) and, with ``WANT_MASS``, each row's mass of the tokens that survive ``floor``
-    and ``min_p`` (the whole row's, not only its candidates')."""
+    and ``min_p`` (the whole row's, not only its candidates'). ``mbase``, ``MASKED``: the
+    rows' token bitmask (``load_tile``); a disallowed token is never a candidate."""
     cols = tl.arange(0, BLOCK)[None, :]
     cut2, m2, inv_t2 = cut[:, None], m[:, None], inv_t[:, None]
     floor2, min_p2 = floor[:, None], min_p[:, None]
     count = tl.zeros([ROWS, BLOCK], tl.int32)
     mass_l = tl.zeros([ROWS, BLOCK], tl.float32)
-    x = load_tile(base, cols, row_ok, V)
+    x = load_tile(base, cols, row_ok, V, mbase, MASKED)
     for start in range(0, V, BLOCK):
         if PREFETCH:  # as in the first pass: the next tile's loads in flight meanwhile
-            x_next = load_tile(base, start + BLOCK + cols, row_ok, V)
+            x_next = load_tile(base, start + BLOCK + cols, row_ok, V, mbase, MASKED)
         else:
-            x = load_tile(base, start + cols, row_ok, V)
+            x = load_tile(base, start + cols, row_ok, V, mbase, MASKED)
         # Past the row's end x is -inf, below the gathered rows' finite cuts.
         take = (x >= cut2) & row_ok[:, None]
         tl.store(cbase + count * BLOCK + cols, x, mask=take & (count < SLOTS))
@@ -72,15 +73,19 @@ def view(count, use, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
 
 
 @triton.jit
-def kept_mass(base, row_ok, N, limit, m, inv_t, vk, min_p, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def kept_mass(
+    base, row_ok, N, limit, m, inv_t, vk, min_p, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    mbase, MASKED: tl.constexpr,
+):  # fmt: skip
     """Per row, the mass of the tokens that survive ``vk`` and ``min_p``, and the smallest
-    of their logits (where the top_p search starts), over a row or its candidates."""
+    of their logits (where the top_p search starts), over a row (masked by ``mbase`` where
+    ``MASKED``) or its candidates."""
     cols = tl.arange(0, BLOCK)[None, :]
     m2, inv_t2, vk2, min_p2 = m[:, None], inv_t[:, None], vk[:, None], min_p[:, None]
     mass_l = tl.zeros([ROWS, BLOCK], tl.float32)
     lo_l = tl.full([ROWS, BLOCK], float("inf"), tl.float32)
     for start in range(0, N, BLOCK):
-        x = load_tile(base, start + cols, row_ok, limit)
+        x = load_tile(base, start + cols, row_ok, limit, mbase, MASKED)
         keep, w = survives(x, m2, inv_t2, vk2, min_p2)
         mass_l += tl.where(keep, w, 0.0)
         lo_l = tl.minimum(lo_l, tl.where(keep, x, float("inf")))
@@ -89,16 +94,17 @@ def kept_mass(base, row_ok, N, limit, m, inv_t, vk, min_p, BLOCK: tl.constexpr, 
 
 @triton.jit
 def lane_weights(
-    base, row_ok, N, limit, m, inv_t, thr, min_p, BLOCK: tl.constexpr, ROWS: tl.constexpr
-):
+    base, row_ok, N, limit, m, inv_t, thr, min_p, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    mbase, MASKED: tl.constexpr,
+):  # fmt: skip
     """Each lane's weight of the kept tokens ``[ROWS, BLOCK]`` (those at or above ``thr``
-    that survive ``min_p``), over a row or its candidates: the same, as every kept token of
-    lane ``l`` is a candidate of lane ``l``."""
+    that survive ``min_p``), over a row (masked by ``mbase`` where ``MASKED``) or its
+    candidates: the same, as every kept token of lane ``l`` is a candidate of lane ``l``."""
     cols = tl.arange(0, BLOCK)[None, :]
     m2, inv_t2, thr2, min_p2 = m[:, None], inv_t[:, None], thr[:, None], min_p[:, None]
     kw_l = tl.zeros([ROWS, BLOCK], tl.float32)
     for start in range(0, N, BLOCK):
-        x = load_tile(base, start + cols, row_ok, limit)
+        x = load_tile(base, start + cols, row_ok, limit, mbase, MASKED)
         keep, w = survives(x, m2, inv_t2, thr2, min_p2)
         kw_l += tl.where(keep, w, 0.0)
     return kw_l
@@ -108,7 +114,7 @@ def lane_weights(
 def narrow(
     base, row_ok, V, lo, hi, k, by_count, need, m, inv_t, floor, min_p,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SLOTS: tl.constexpr,
-    PIVOTS: tl.constexpr, ROUNDS: tl.constexpr,
+    PIVOTS: tl.constexpr, ROUNDS: tl.constexpr, mbase, MASKED: tl.constexpr,
 ):  # fmt: skip
     """Raise the cut ``lo`` of each row in ``row_ok`` (below every token it may keep)
     until its candidates fit the slots. Each pass over the row tries ``PIVOTS`` cuts evenly
@@ -119,7 +125,8 @@ def narrow(
     holds more than ``SLOTS`` logits at or above its cut, once a lane holds more than that of
     the tokens it surely keeps (above a pivot that failed), or after ``ROUNDS`` passes.
     Returns the cuts and whether they fit. ``hi`` only places the pivots: a row's highest
-    logit, lowered to the first pivot that failed."""
+    logit, lowered to the first pivot that failed. ``mbase``, ``MASKED``: the rows' token
+    bitmask (``load_tile``)."""
     cols = tl.arange(0, BLOCK)[None, :]
     js = tl.arange(0, PIVOTS)[None, :]
     m2, inv_t2, floor2, min_p2 = m[:, None], inv_t[:, None], floor[:, None], min_p[:, None]
@@ -132,7 +139,7 @@ def narrow(
             count = tl.zeros([ROWS, PIVOTS, BLOCK], tl.int32)
             mass = tl.zeros([ROWS, PIVOTS, BLOCK], tl.float32)
             for start in range(0, V, BLOCK):
-                x = load_tile(base, start + cols, active, V)
+                x = load_tile(base, start + cols, active, V, mbase, MASKED)
                 above = x[:, None, :] >= q3
                 count += above.to(tl.int32)
                 keep, w = survives(x, m2, inv_t2, floor2, min_p2)

@@ -31,12 +31,19 @@ def any_row(mask):
 
 
 @triton.jit
-def load_tile(base, idx, row_ok, limit):
+def load_tile(base, idx, row_ok, limit, mbase, MASKED: tl.constexpr):
     """The tile ``[ROWS, BLOCK]`` at columns ``idx`` ``[1, BLOCK]``, -inf at or past
     ``limit`` (the row length, or a limit per lane: see ``sampling_candidates.view``) and in
-    rows not in ``row_ok``, float32."""
+    rows not in ``row_ok``, float32. ``MASKED``: the tile is of the row itself and ``mbase``
+    ``[ROWS, 1]`` points at each row's token bitmask (int32 words, bit ``j`` of word ``w``
+    allowing token ``32 * w + j``): a token it disallows reads -inf too. Candidates were
+    gathered from masked tiles and are read without it."""
     mask = row_ok[:, None] & (idx < limit)
-    return tl.load(base + idx, mask=mask, other=float("-inf")).to(tl.float32)
+    x = tl.load(base + idx, mask=mask, other=float("-inf")).to(tl.float32)
+    if MASKED:
+        words = tl.load(mbase + (idx >> 5), mask=mask, other=0)
+        x = tl.where(((words >> (idx & 31)) & 1) != 0, x, float("-inf"))
+    return x
 
 
 @triton.jit
@@ -79,12 +86,15 @@ def threshold(
     BY_MASS: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
+    mbase,
+    MASKED: tl.constexpr,
     VALUE_ROUNDS: tl.constexpr = 24,
 ):
     """Per row, the smallest logit ``v`` in ``[lo, hi]`` whose surviving tokens above it
     count (``BY_MASS`` False) or weigh less than ``c``; ``v = hi`` must qualify, ``c > 0``.
     Rows with ``lo > hi`` are left out and get ``hi``. Each step reads positions ``[0, N)``
-    before ``limit`` (``load_tile``): a whole row, or its candidates.
+    before ``limit`` (``load_tile``, with ``mbase`` and ``MASKED``): a whole row, or its
+    candidates.
 
     The answer is a logit in ``[lo, hb]`` or ``hi``: a pivot that qualifies moves ``hi`` to
     the smallest logit >= it and ``hb`` to the largest below it, one that fails moves ``lo``
@@ -113,7 +123,7 @@ def threshold(
         at_or_above_l = tl.full([ROWS, BLOCK], float("inf"), tl.float32)  # smallest >= p
         below_l = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)  # largest logit < p
         for start in range(0, N, BLOCK):
-            x = load_tile(base, start + cols, row_ok, limit)
+            x = load_tile(base, start + cols, row_ok, limit, mbase, MASKED)
             keep, w = survives(x, m2, inv_t2, vk2, min_p2)
             gt = keep & (x > p2)
             if BY_MASS:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hotpool.kernels.sampling_bitmask import allowed_tokens
 from hotpool.kernels.sampling_random import row_generators, uniforms
 from hotpool.kernels.sampling_types import NonFiniteLogitsError, SamplerOutput, SamplingRow
 
@@ -27,11 +28,16 @@ def penalize(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     return x
 
 
-def reference_probs(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    """Each token's exact probability ``[V]`` float64 after steps 1 and 3-6, for one row of
-    finite-or-(-inf) logits with at least one finite value. Ties at a cut keep the lower
+def reference_probs(
+    logits: torch.Tensor, row: SamplingRow, allowed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each token's exact probability ``[V]`` float64 after steps 1, 1b and 3-6, for one row
+    of finite-or-(-inf) logits with at least one finite value among the ``allowed`` tokens
+    (bool ``[V]``, the grammar's mask unpacked; None: all). Ties at a cut keep the lower
     token ids (a stable sort)."""
     x = penalize(logits, row)
+    if allowed is not None:  # step 1b: a disallowed token is a -inf logit
+        x[~allowed] = float("-inf")
     if row.greedy:  # step 3: the first of the largest
         return torch.nn.functional.one_hot(x.argmax(), x.numel()).double()
     values, order = x.sort(descending=True, stable=True)
@@ -46,18 +52,28 @@ def reference_probs(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     return probs
 
 
-def reference_sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+def reference_sample(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    token_bitmask: torch.Tensor | None = None,
+) -> SamplerOutput:
     """``sample``'s contract, one row at a time: the same checks, the same randomness rules
-    (one uniform per row), the same outputs, always exact."""
+    (one uniform per row), the same outputs, always exact. ``token_bitmask``: checked by
+    ``sample``."""
     raw = logits.detach().float().cpu()
     raw_logprobs = torch.log_softmax(raw, dim=1)  # step 2
-    bad = raw_logprobs[:, 0].isnan().nonzero().squeeze(1).tolist()
-    if bad:
-        raise NonFiniteLogitsError(bad)
+    bad = raw_logprobs[:, 0].isnan()
+    allowed = None
+    if token_bitmask is not None:
+        allowed = allowed_tokens(token_bitmask.cpu(), raw.shape[1])
+        # step 1b leaves no distribution where every allowed logit is -inf
+        bad |= ~torch.where(allowed, raw, float("-inf")).isfinite().any(dim=1)
+    if bad.any():
+        raise NonFiniteLogitsError(bad.nonzero().squeeze(1).tolist())
     draws = iter(uniforms(row_generators([r for r in rows if not r.greedy])))
     tokens = []
-    for x, row in zip(raw, rows, strict=True):
-        probs = reference_probs(x, row)
+    for i, (x, row) in enumerate(zip(raw, rows, strict=True)):
+        probs = reference_probs(x, row, None if allowed is None else allowed[i])
         u = 0.0 if row.greedy else next(draws)
         cdf = probs.cumsum(0)
         # step 7: the first token whose cumulative probability exceeds u; never past the last

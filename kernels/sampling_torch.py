@@ -18,6 +18,10 @@ sort. Other devices sort those rows at once, so a call never waits for the devic
 the full-row path's two costliest steps, the scaled softmax and the weight above a pivot, run
 in C (``cpu_ops``: one pass each where torch made two or three; where the kernels do not
 load, torch runs them).
+
+The grammar's token bitmask goes to the C sampler as it is (it tests the bits itself); the
+torch code unpacks it on the logits' device and fills the disallowed tokens of its penalized
+copy with -inf, only for a batch that has one.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from hotpool.kernels import cpu_ops
+from hotpool.kernels.sampling_bitmask import apply_bitmask
 from hotpool.kernels.sampling_penalties import apply_penalties
 from hotpool.kernels.sampling_random import uniform_draws, uniforms
 from hotpool.kernels.sampling_transfer import to_device
@@ -53,20 +58,40 @@ _SCALE_SAFE = 1e37
 
 
 def torch_sample_tokens(
-    raw: torch.Tensor, rows: Sequence[SamplingRow], generators: Sequence[torch.Generator | None]
+    raw: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    generators: Sequence[torch.Generator | None],
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token ``[B]`` int64 per row of the float32 logits ``raw``, on its device, each
-    row's penalties applied first (to a copy: ``raw`` is left as it is). ``generators``:
-    each row's, None for torch's default generator."""
+    row's penalties applied first (to a copy: ``raw`` is left as it is), then the grammar's
+    token bitmask ``mask`` (int32 ``[B, (V + 31) // 32]`` on ``raw``'s device, or None):
+    a masked row whose allowed logits are all -inf gets token -1. ``generators``: each
+    row's, None for torch's default generator."""
     native = _native(raw)
-    # A batch of greedy rows without penalties is quicker through argmax alone.
-    if native is not None and not all(r.greedy and not r.has_penalty for r in rows):
-        return _sample_native(native, raw, rows, generators)
-    return _sample_torch(_penalized(raw, rows), rows, generators)
+    # A batch of greedy rows without penalties is quicker through argmax alone, unless it
+    # has a mask: the C sampler applies that without an unpacked copy.
+    if native is not None and (
+        mask is not None or not all(r.greedy and not r.has_penalty for r in rows)
+    ):
+        return _sample_native(native, raw, rows, generators, mask)
+    return sample_penalized(raw, rows, generators, mask)
 
 
-def _penalized(raw: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    return apply_penalties(raw, rows) if any(r.has_penalty for r in rows) else raw
+def sample_penalized(
+    raw: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    generators: Sequence[torch.Generator | None],
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The torch code's tokens for ``raw`` with the rows' penalties, then ``mask``, applied
+    (to a copy), -1 for a masked row whose allowed logits are all -inf."""
+    x = apply_penalties(raw, rows) if any(r.has_penalty for r in rows) else raw
+    if mask is None:
+        return _sample_torch(x, rows, generators)
+    x = apply_bitmask(x, mask)
+    # Off the CPU this is read with the results, never waited for here.
+    return torch.where(torch.isfinite(x.amax(dim=1)), _sample_torch(x, rows, generators), -1)
 
 
 def _sample_native(
@@ -74,6 +99,7 @@ def _sample_native(
     x: torch.Tensor,
     rows: Sequence[SamplingRow],
     generators: Sequence[torch.Generator | None],
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     b, v = x.shape
     need = [0 if r.greedy else _NATIVE_DRAWS if r.top_p < 1.0 else 1 for r in rows]
@@ -94,13 +120,17 @@ def _sample_native(
         floats[2],
         torch.frombuffer(table, dtype=torch.float32).view(b, _NATIVE_DRAWS),
         _penalties(rows, v) if any(r.has_penalty for r in rows) else None,
+        mask,
     )  # fmt: skip
     if unsettled:  # rejected at every draw: finished exactly, with fresh uniforms
         left = status.nonzero().squeeze(1)
         idx = left.tolist()
         sub = [rows[i] for i in idx]
-        tokens[left] = _sample_torch(
-            _penalized(x.index_select(0, left), sub), sub, [generators[i] for i in idx]
+        tokens[left] = sample_penalized(
+            x.index_select(0, left),
+            sub,
+            [generators[i] for i in idx],
+            None if mask is None else mask.index_select(0, left),
         )
     return tokens
 

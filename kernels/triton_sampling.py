@@ -50,6 +50,12 @@ the tile and reduces across the tile once, after the pass.
 Rows holding a NaN or +inf, or no finite logit, get token ``-1`` and logprob NaN (the
 wrapper does not look, which would wait for the device; ``sample`` raises on -1).
 
+The grammar's token bitmask (``HAS_MASK``, step 1b of ``hotpool.kernels.sampling``) is read
+with the logits: every load of a tile of the row also loads the tile's words of the row's
+mask and reads a disallowed token as -inf, so every pass above sees only allowed tokens.
+The candidates are gathered from masked tiles and read without it; without a mask the
+kernel is compiled without those loads.
+
 A program handles ``ROWS`` rows as one ``[ROWS, BLOCK]`` tile, every per-row decision a mask.
 On a GPU that is one row per program, ``GPU_BLOCK`` wide, with the next tile's loads issued
 before the current one is worked on (``PREFETCH``); in the CPU interpreter
@@ -118,14 +124,15 @@ _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @triton.jit
 def _lane_draw(
     base, row_ok, V, w_l, u_lane, u_in, ref, inv_t, thr, min_p,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, mbase, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One token per row with probability ``w_i / sum(w)``, in two exact steps: a lane ``l``
     of the tile (columns ``l, l + BLOCK, ...``) with probability ``w_l / sum(w_l)`` from the
     lanes' totals ``w_l`` ``[ROWS, BLOCK]``, by the uniform ``u_lane``; then a column of that
     lane with probability ``w_i / w_l``, by ``u_in``, reading only the lane's own ~V/BLOCK
     logits. ``w_i = exp((x_i - ref) / T)`` for the tokens that survive ``thr`` and ``min_p``
-    (the scale of ``w_l``), 0 for the others."""
+    (the scale of ``w_l``), 0 for the others and for the tokens the bitmask at ``mbase``
+    disallows (``MASKED``)."""
     cols = tl.arange(0, BLOCK)[None, :]
     total = tl.sum(w_l, axis=1)
     below = tl.cumsum(w_l, axis=1) <= (u_lane * total)[:, None]
@@ -139,7 +146,7 @@ def _lane_draw(
     in_lane = tl.zeros([ROWS], tl.float32)
     for j0 in range(0, tl.cdiv(V, BLOCK), CHUNK):
         idx = lane[:, None] + (j0 + js) * BLOCK
-        x = load_tile(base, idx, row_ok, V)
+        x = load_tile(base, idx, row_ok, V, mbase, MASKED)
         keep, w = survives(x, ref2, inv_t2, thr2, min_p2)
         in_lane += tl.sum(tl.where(keep, w, 0.0), axis=1)
     target = (u_in * in_lane)[:, None]
@@ -148,7 +155,7 @@ def _lane_draw(
     last_j = tl.full([ROWS], -1, tl.int32)
     for j0 in range(0, tl.cdiv(V, BLOCK), CHUNK):
         j = j0 + js
-        x = load_tile(base, lane[:, None] + j * BLOCK, row_ok, V)
+        x = load_tile(base, lane[:, None] + j * BLOCK, row_ok, V, mbase, MASKED)
         keep, w = survives(x, ref2, inv_t2, thr2, min_p2)
         w = tl.where(keep, w, 0.0)
         count += tl.sum((seen[:, None] + tl.cumsum(w, axis=1) <= target).to(tl.int32), axis=1)
@@ -179,6 +186,8 @@ def _sample_kernel(
     token_ptr,
     logprob_ptr,
     cand_ptr,
+    mask_ptr,
+    stride_mask,
     B,
     V,
     GREEDY_BELOW: tl.constexpr,
@@ -188,6 +197,7 @@ def _sample_kernel(
     PREFETCH: tl.constexpr = False,
     CHUNK: tl.constexpr = 32,
     FILTERS: tl.constexpr = True,
+    HAS_MASK: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < B
@@ -211,6 +221,9 @@ def _sample_kernel(
     any_filtered = any_row(filtered)
     any_mass = any_row(plain | p_on | thin)  # rows that need the mass at T from pass 1
     cbase = (cand_ptr + rows.to(tl.int64) * (SLOTS * BLOCK))[:, None]  # the candidate slots
+    # The grammar's bitmask (HAS_MASK): every read of the row sees its disallowed tokens as
+    # -inf, so everything below (max, argmax, weights, cuts, draws) is over allowed ones.
+    mbase = (mask_ptr + rows.to(tl.int64) * stride_mask)[:, None]
 
     # Pass 1: raw max and normaliser (online), argmax, smallest finite logit (filtered rows),
     # and for temperature-only and top_p rows each lane's weight at T. Every lane of the tile
@@ -222,13 +235,13 @@ def _sample_kernel(
     st_l = tl.zeros([ROWS, BLOCK], tl.float32)  # sum of exp((x - m_l) / T)
     best_l = tl.zeros([ROWS, BLOCK], tl.int32)  # where m_l is, first occurrence
     xmin_l = tl.full([ROWS, BLOCK], float("inf"), tl.float32)
-    x = load_tile(base, cols, row_ok, V)
+    x = load_tile(base, cols, row_ok, V, mbase, HAS_MASK)
     for start in range(0, V, BLOCK):
         idx = start + cols
         if PREFETCH:  # the next tile's loads in flight while this one is worked on
-            x_next = load_tile(base, idx + BLOCK, row_ok, V)
+            x_next = load_tile(base, idx + BLOCK, row_ok, V, mbase, HAS_MASK)
         else:
-            x = load_tile(base, idx, row_ok, V)
+            x = load_tile(base, idx, row_ok, V, mbase, HAS_MASK)
         up = x > m_l
         d = -tl.abs(x - tl.where(m_l > float("-inf"), m_l, 0.0))  # no -inf - -inf
         # One exp per token: exp(-|x - m_l|) rescales the sum when the max moves, else adds.
@@ -303,7 +316,7 @@ def _sample_kernel(
         if any_row(gathered):
             count, mass_g = gather(
                 base, cbase, row_ok & gathered, V, cut, mt, inv_t, xmin, min_p,
-                any_row(p_only), BLOCK, ROWS, SLOTS, PREFETCH,
+                any_row(p_only), BLOCK, ROWS, SLOTS, PREFETCH, mbase, HAS_MASK,
             )  # fmt: skip
             fast = gathered & (tl.max(count, axis=1) <= SLOTS)
         over = search & ~fast  # no bound, or a lane overflowed
@@ -313,14 +326,14 @@ def _sample_kernel(
             lo_c, fits = narrow(
                 base, row_ok & over, V, tl.where(gathered, cut, xmin), mt, kf, k_on,
                 top_p * mass_g * 1.001, mt, inv_t, xmin, min_p,
-                BLOCK, ROWS, SLOTS, _PIVOTS, _ROUNDS,
+                BLOCK, ROWS, SLOTS, _PIVOTS, _ROUNDS, mbase, HAS_MASK,
             )  # fmt: skip
             cut = tl.where(over & (p_only | fits), lo_c, cut)
             refit = over & fits
             if any_row(refit):
                 again, _ = gather(
                     base, cbase, row_ok & refit, V, cut, mt, inv_t, xmin, min_p,
-                    False, BLOCK, ROWS, SLOTS, PREFETCH,
+                    False, BLOCK, ROWS, SLOTS, PREFETCH, mbase, HAS_MASK,
                 )  # fmt: skip
                 count = tl.where(refit[:, None], again, count)
                 fast = fast | (refit & (tl.max(again, axis=1) <= SLOTS))
@@ -333,12 +346,12 @@ def _sample_kernel(
             if any_row(k_todo & fast):
                 found = threshold(
                     cbase, row_ok & fast, n_c, lim_c, tl.where(k_todo & fast, lo, float("inf")),
-                    mt, kf, mt, inv_t, xmin, zero, False, BLOCK, ROWS,
+                    mt, kf, mt, inv_t, xmin, zero, False, BLOCK, ROWS, mbase, False,
                 )  # fmt: skip
             if any_row(k_todo & slow):
                 whole = threshold(
                     base, row_ok & slow, V, V, tl.where(k_todo & slow, lo, float("inf")),
-                    mt, kf, mt, inv_t, xmin, zero, False, BLOCK, ROWS,
+                    mt, kf, mt, inv_t, xmin, zero, False, BLOCK, ROWS, mbase, HAS_MASK,
                 )  # fmt: skip
                 found = tl.where(slow, whole, found)
             vk = tl.where(k_todo, found, xmin)
@@ -352,15 +365,17 @@ def _sample_kernel(
             lowest = cut
             if any_row(p_todo & fast):
                 mass_c, lowest_c = kept_mass(
-                    cbase, row_ok & fast, n_c, lim_c, mt, inv_t, vk, min_p, BLOCK, ROWS
-                )
+                    cbase, row_ok & fast, n_c, lim_c, mt, inv_t, vk, min_p, BLOCK, ROWS,
+                    mbase, False,
+                )  # fmt: skip
                 mass = tl.where(k_on, mass_c, mass_g)
                 lowest = tl.where(fast, lowest_c, lowest)
             weigh = p_todo & slow & (k_on | ~gathered)
             if any_row(weigh):
                 mass_s, lowest_s = kept_mass(
-                    base, row_ok & weigh, V, V, mt, inv_t, vk, min_p, BLOCK, ROWS
-                )
+                    base, row_ok & weigh, V, V, mt, inv_t, vk, min_p, BLOCK, ROWS,
+                    mbase, HAS_MASK,
+                )  # fmt: skip
                 mass = tl.where(weigh, mass_s, mass)
                 lowest = tl.where(weigh, lowest_s, lowest)
             # Tokens below a surviving lane maximum at which the lane maxima alone already
@@ -373,12 +388,12 @@ def _sample_kernel(
             if any_row(p_todo & fast):
                 found = threshold(
                     cbase, row_ok & fast, n_c, lim_c, tl.where(fast, lo, float("inf")),
-                    mt, top_p * mass, mt, inv_t, vk, min_p, True, BLOCK, ROWS,
+                    mt, top_p * mass, mt, inv_t, vk, min_p, True, BLOCK, ROWS, mbase, False,
                 )  # fmt: skip
             if any_row(p_todo & slow):
                 whole = threshold(
                     base, row_ok & slow, V, V, tl.where(slow, lo, float("inf")),
-                    mt, top_p * mass, mt, inv_t, vk, min_p, True, BLOCK, ROWS,
+                    mt, top_p * mass, mt, inv_t, vk, min_p, True, BLOCK, ROWS, mbase, HAS_MASK,
                 )  # fmt: skip
                 found = tl.where(slow, whole, found)
             thr = tl.where(p_todo, found, vk)
@@ -389,10 +404,13 @@ def _sample_kernel(
         kw_l = tl.zeros([ROWS, BLOCK], tl.float32)
         if any_row(fast):
             kw_l = lane_weights(
-                cbase, row_ok & fast, n_c, lim_c, mt, inv_t, thr, keep_p, BLOCK, ROWS
-            )
+                cbase, row_ok & fast, n_c, lim_c, mt, inv_t, thr, keep_p, BLOCK, ROWS,
+                mbase, False,
+            )  # fmt: skip
         if any_row(slow):
-            kw_w = lane_weights(base, row_ok & slow, V, V, mt, inv_t, thr, keep_p, BLOCK, ROWS)
+            kw_w = lane_weights(
+                base, row_ok & slow, V, V, mt, inv_t, thr, keep_p, BLOCK, ROWS, mbase, HAS_MASK
+            )
             kw_l = tl.where(slow[:, None], kw_w, kw_l)
         w_l = tl.where(search[:, None], kw_l, w_l)
     draw = (plain & valid) | todo
@@ -402,8 +420,9 @@ def _sample_kernel(
         offset = tl.load(offset_ptr + rows, mask=row_ok, other=0)
         u_lane, u_in, u_lane2, u_in2 = tl.rand4x(seed, offset)
         picked = _lane_draw(
-            base, row_ok, V, w_l, u_lane, u_in, m_safe, inv_t, thr, keep_p, BLOCK, ROWS, CHUNK
-        )
+            base, row_ok, V, w_l, u_lane, u_in, m_safe, inv_t, thr, keep_p, BLOCK, ROWS, CHUNK,
+            mbase, HAS_MASK,
+        )  # fmt: skip
         token = tl.where(draw, picked, token)
         if FILTERS:
             # min_p alone: a token drawn at T is kept if it survives min_p, else drawn again
@@ -426,14 +445,14 @@ def _sample_kernel(
                             drawing[:, None],
                             lane_weights(
                                 base, row_ok & drawing, V, V, m_safe, inv_t, thr, min_p,
-                                BLOCK, ROWS,
+                                BLOCK, ROWS, mbase, HAS_MASK,
                             ),
                             w_l,
                         )  # fmt: skip
                         keep_p = tl.where(drawing, min_p, keep_p)
                     again = _lane_draw(
                         base, row_ok & drawing, V, w_l, ul, ui, m_safe, inv_t, thr, keep_p,
-                        BLOCK, ROWS, CHUNK,
+                        BLOCK, ROWS, CHUNK, mbase, HAS_MASK,
                     )  # fmt: skip
                     token = tl.where(drawing, again, token)
 
@@ -489,6 +508,7 @@ def triton_sample(
     block: int | None = None,
     slots: int | None = None,
     filters: bool = True,
+    token_bitmask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` ``[B, V]`` and its logprob: ``([B] int64,
     [B] float32)``, on the logits' device, without waiting for it. A row holding NaN or
@@ -505,6 +525,10 @@ def triton_sample(
     no row has top_k, top_p or min_p (checked by the caller on the host, where the rows are:
     here it would wait for the device): the kernel is then compiled without their code, with
     fewer registers; a row that has them anyway is sampled at its temperature alone.
+    ``token_bitmask``: the grammar's int32 ``[B, (V + 31) // 32]`` on the logits' device
+    (``hotpool.kernels.sampling_bitmask``; words contiguous), or None: every read of a row
+    sees the tokens it disallows as -inf (the logprob, too, is then over the allowed tokens;
+    ``sample`` reports the raw one), and a row with nothing allowed finite gets token -1.
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[1] == 0:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)
@@ -529,6 +553,16 @@ def triton_sample(
         ("offsets", offsets, torch.int64),
     ):
         _check_param(name, t, dtype, b, dev)
+    words = triton.cdiv(v, 32)
+    if token_bitmask is not None:
+        m = token_bitmask
+        if m.dtype != torch.int32 or m.shape != (b, words) or m.device != dev:
+            raise ValueError(
+                f"token_bitmask must be [{b}, {words}] int32 on {dev}, "
+                f"got {tuple(m.shape)} {m.dtype} on {m.device}"
+            )
+        if words > 1 and m.stride(1) != 1:
+            raise ValueError(f"token_bitmask words must be contiguous, got {m.stride()}")
     tokens = torch.empty(b, dtype=torch.int64, device=dev)
     logprobs = torch.empty(b, dtype=torch.float32, device=dev)
     if b == 0:
@@ -563,6 +597,8 @@ def triton_sample(
         tokens,
         logprobs,
         candidates,
+        top_k if token_bitmask is None else token_bitmask,  # int32 either way, unread if none
+        0 if token_bitmask is None else token_bitmask.stride(0),
         b,
         v,
         GREEDY_BELOW=_GREEDY_BELOW,
@@ -570,6 +606,7 @@ def triton_sample(
         ROWS=rows,
         SLOTS=slots,
         FILTERS=filters,
+        HAS_MASK=token_bitmask is not None,
         PREFETCH=GPU_PREFETCH if on_gpu else _CPU_PREFETCH,
         num_warps=max(1, min(GPU_WARPS, block // 256)) if rows == 1 else 4,
         **({"maxnreg": GPU_MAXNREG} if on_gpu and GPU_MAXNREG else {}),

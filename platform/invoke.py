@@ -115,7 +115,10 @@ class Invoker:
         tally = _Tally(n=call.params.n)
         if self.log_prompts and requests_log.isEnabledFor(logging.DEBUG):
             tally.texts = {}
-        request = GenerateRequest(request_id, call.params, call.prompt, call.messages)
+        request = GenerateRequest(
+            request_id, call.params, call.prompt, call.messages,
+            call.tools, call.tool_choice, call.parallel_tool_calls,
+        )  # fmt: skip
         caller = caller or Caller()
         failed: Lease | None = None
         attempt = 0
@@ -322,6 +325,9 @@ def _cut(text: str, limit: int) -> str:
     return f"{text[:limit]}... [{len(text) - limit} more characters]"
 
 
+_COMPLETED = ("stop", "length", "tool_calls")  # the finishes of a request that went well
+
+
 def _tally_event(tally: _Tally, event: GenerateEvent, now: float | None = None) -> None:
     if event.usage is not None:
         tally.usage = event.usage
@@ -335,7 +341,7 @@ def _tally_event(tally: _Tally, event: GenerateEvent, now: float | None = None) 
     elif len(tally.finishes) >= tally.n and tally.finish is None:
         done = tally.finishes.values()
         tally.finish = event.finish_reason
-        tally.status = "completed" if all(f in ("stop", "length") for f in done) else "error"
+        tally.status = "completed" if all(f in _COMPLETED for f in done) else "error"
 
 
 def _token_gap(tally: _Tally, event: GenerateEvent, now: float) -> float | None:

@@ -3,7 +3,8 @@
 Body: exactly one of ``prompt`` (a string) and ``messages`` (chat messages, as in OpenAI's
 chat API), an optional ``params`` object of sampling parameters (``max_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``stop``, ``seed``, the penalties,
-``min_tokens``, ``ignore_eos``, ``n``, ``logprobs``: top alternatives per token, 0-20) and
+``min_tokens``, ``ignore_eos``, ``n``, ``logprobs``: top alternatives per token, 0-20,
+``response_format``: as OpenAI's chat API, text, json_object or json_schema) and
 ``stream``. ``max_tokens`` defaults as in the OpenAI routes: 16 for a prompt, up to the
 context length for messages.
 
@@ -38,6 +39,7 @@ INVOKE_FIELDS = {"prompt", "messages", "params", "stream"}
 PARAM_FIELDS = {
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "n", "logprobs",
+    "response_format",
 }  # fmt: skip
 
 

@@ -60,17 +60,26 @@ class _Shape:
         positions: Sequence[PositionLogprobs] = (),
         first: bool = False,
         final: bool = False,
+        tool_calls: Sequence[dict[str, Any]] = (),
     ) -> dict[str, Any]:
-        """One choice of a response (``final``) or of a chunk; ``first``: its first chunk."""
+        """One choice of a response (``final``) or of a chunk; ``first``: its first chunk.
+        ``tool_calls``: the message's calls (``final``) or the chunk's pieces of them; as
+        OpenAI's, the content beside them is null when there is no text."""
         logprobs = self._logprobs(index, positions) if positions or final else None
         if not self.chat:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        content = None if tool_calls and not text else text
         if final:
-            body: dict[str, Any] = {"role": "assistant", "content": text}
+            body: dict[str, Any] = {"role": "assistant", "content": content}
+            if tool_calls:
+                body["tool_calls"] = list(tool_calls)
             return {"index": index, "message": body, "logprobs": logprobs, "finish_reason": finish}
-        delta = (
-            {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        )
+        if first:
+            delta: dict[str, Any] = {"role": "assistant", "content": content}
+        else:
+            delta = {"content": text} if text else {}
+        if tool_calls:
+            delta["tool_calls"] = list(tool_calls)
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def _logprobs(self, index: int, positions: Sequence[PositionLogprobs]) -> Any:
@@ -132,7 +141,9 @@ async def _collect(
     choices = await collect_choices(shape.n, first, events)
     body = shape.envelope(
         [
-            shape.choice(i, c.text, _finish(c.finish_reason), c.logprobs, final=True)
+            shape.choice(
+                i, c.text, _finish(c.finish_reason), c.logprobs, final=True, tool_calls=c.tool_calls
+            )
             for i, c in enumerate(choices.choices)
         ],
         chunk=False,
@@ -187,13 +198,16 @@ async def _sse(
                     out.append(data({"error": error.body()["error"]}))
                     break
                 i = event.index
-                if event.text and not event.logprobs and (i in started or not shape.chat):
+                plain = not (event.logprobs or event.tool_calls)
+                if event.text and plain and (i in started or not shape.chat):
                     out.append(text_chunk(i, event.text))  # == chunk(shape.choice(...))
                     started.add(i)
-                elif event.text or event.logprobs or i not in started:
-                    out.append(
-                        chunk(shape.choice(i, event.text, None, event.logprobs, i not in started))
-                    )
+                elif event.text or not plain or i not in started:
+                    choice = shape.choice(
+                        i, event.text, None, event.logprobs, i not in started,
+                        tool_calls=event.tool_calls,
+                    )  # fmt: skip
+                    out.append(chunk(choice))
                     started.add(i)
                 finish = _finish(event.finish_reason)
                 if finish is not None:

@@ -25,7 +25,7 @@ from hotpool.billing.prices import DEFAULT_CURRENCY, DEPLOYMENT_MAX_LEN, MAX_PRI
 from hotpool.billing.tenants import TENANT_NAME_MAX_LEN
 from hotpool.billing.usage import BUCKET_WIDTHS
 from hotpool.platform import deployment_schema as dep
-from hotpool.platform import schemas
+from hotpool.platform import schemas, tools
 from hotpool.platform.deployments_api import MAX_EVENT_ID, MAX_EVENTS_PAGE
 from hotpool.platform.middleware import CLIENT_REQUEST_ID
 from hotpool.platform.prices_api import AMOUNTS
@@ -98,6 +98,27 @@ PHASES = null({"type": "object", "additionalProperties": NUM})
 BYTES = arr(integer(0, 255))
 TOKEN_LOGPROB = {"token": STR, "logprob": NUM, "bytes": BYTES}
 FINISH = strings("stop", "length")
+CHAT_FINISH = strings("stop", "length", "tool_calls")
+FUNCTION_NAME = text(f"^{tools.NAME.pattern}$")
+ARGUMENTS = {**STR, "description": "The arguments: the JSON text of an object."}
+TOOL_CALL = every(
+    {
+        "id": text(minLength=1, maxLength=tools.MAX_CALL_ID),
+        "type": const("function"),
+        "function": every({"name": FUNCTION_NAME, "arguments": ARGUMENTS}),
+    }
+)
+# A streamed piece of a call: the first has its id, type and name (and empty arguments),
+# the next ones more of its arguments.
+TOOL_CALL_PIECE = obj(
+    {
+        "index": COUNT,
+        "id": STR,
+        "type": const("function"),
+        "function": obj({"name": FUNCTION_NAME, "arguments": STR}),
+    },
+    ("index", "function"),
+)
 
 
 def completion(prefix: str, obj_name: str, choice: dict[str, Schema], chunk: bool) -> Schema:
@@ -152,12 +173,64 @@ COMPONENTS: dict[str, Schema] = {
                 "anyOf": [
                     STR,
                     arr(obj({"type": const("text"), "text": STR}, ("type", "text"), False)),
-                ]
+                    NULL,
+                ],
+                "description": "Required, but for an assistant's `tool_calls` turn.",
             },
             "name": {**STR, "description": "Accepted for OpenAI compatibility; not used."},
+            "tool_calls": {
+                **null(arr(TOOL_CALL, maxItems=tools.MAX_TOOLS)),
+                "description": "An assistant's calls; its `content` may then be null.",
+            },
+            "tool_call_id": {
+                **text(minLength=1, maxLength=tools.MAX_CALL_ID),
+                "description": "A `tool` message's (required there): the call it answers.",
+            },
         },
-        ("role", "content"),
+        ("role",),
     ),
+    "Tool": every(
+        {
+            "type": const("function"),
+            "function": obj(
+                {
+                    "name": FUNCTION_NAME,
+                    "description": null(STR),
+                    "parameters": null(
+                        {
+                            **obj({"type": const("object")}, closed=False),
+                            "description": "A JSON Schema of the arguments (an object).",
+                        }
+                    ),
+                    "strict": null(BOOL),
+                },
+                ("name",),
+            ),
+        }
+    ),
+    "ResponseFormat": {
+        "anyOf": [
+            every({"type": const("text")}),
+            every({"type": const("json_object")}),
+            every(
+                {
+                    "type": const("json_schema"),
+                    "json_schema": obj(
+                        {
+                            "name": text("^[A-Za-z0-9_-]{1,64}$"),
+                            "schema": {
+                                "type": ["object", "boolean"],
+                                "description": "A JSON Schema (draft 2020-12); none: any JSON.",
+                            },
+                            "strict": null(BOOL),
+                            "description": STR,
+                        },
+                        ("name",),
+                    ),
+                }
+            ),
+        ]
+    },
     "Stop": null(
         {
             "anyOf": [
@@ -183,9 +256,16 @@ COMPONENTS: dict[str, Schema] = {
         "chat.completion",
         {
             "index": COUNT,
-            "message": every({"role": const("assistant"), "content": STR}),
+            "message": obj(
+                {
+                    "role": const("assistant"),
+                    "content": null(STR),
+                    "tool_calls": arr(TOOL_CALL),
+                },
+                ("role", "content"),
+            ),
             "logprobs": null(ref("ChatLogprobs")),
-            "finish_reason": FINISH,
+            "finish_reason": CHAT_FINISH,
         },
         chunk=False,
     ),
@@ -194,9 +274,15 @@ COMPONENTS: dict[str, Schema] = {
         "chat.completion.chunk",
         {
             "index": COUNT,
-            "delta": obj({"role": const("assistant"), "content": STR}),
+            "delta": obj(
+                {
+                    "role": const("assistant"),
+                    "content": null(STR),
+                    "tool_calls": arr(TOOL_CALL_PIECE),
+                }
+            ),
             "logprobs": null(ref("ChatLogprobs")),
-            "finish_reason": null(FINISH),
+            "finish_reason": null(CHAT_FINISH),
         },
         chunk=True,
     ),
@@ -558,10 +644,26 @@ CHAT_REQUEST = obj(
         },
         "logprobs": null(BOOL),
         "top_logprobs": null(integer(0, MAX_LOGPROBS, description="Needs `logprobs: true`.")),
-        "tools": unsupported(null(arr({}, maxItems=0))),
-        "tool_choice": unsupported({"enum": ["none", None]}),
-        "parallel_tool_calls": unsupported(NULL),
-        "response_format": unsupported(null(obj({"type": const("text")}, ("type",), False))),
+        "tools": null(arr(ref("Tool"), maxItems=tools.MAX_TOOLS)),
+        "tool_choice": {
+            **null(
+                {
+                    "anyOf": [
+                        strings(*tools.CHOICES),
+                        every(
+                            {
+                                "type": const("function"),
+                                "function": every({"name": FUNCTION_NAME}),
+                            }
+                        ),
+                    ]
+                }
+            ),
+            "description": "Default `auto` with tools, `none` without; `required` and a "
+            "function need `tools` (naming one of them).",
+        },
+        "parallel_tool_calls": null(BOOL),
+        "response_format": null(ref("ResponseFormat")),
     },
     ("model", "messages"),
 )
@@ -587,6 +689,7 @@ INVOKE_PARAMS = {
         "description": "Default 16 for a prompt; up to the context length for messages.",
     },
     "logprobs": null(integer(0, MAX_LOGPROBS)),
+    "response_format": null(ref("ResponseFormat")),
 }
 INVOKE_REQUEST: Schema = {
     **obj(

@@ -1,33 +1,36 @@
 """Parse and validate OpenAI-compatible request bodies into typed calls.
 
 Every problem is an :class:`APIError` 400 naming the parameter. Parameters hotpool does not
-support yet are rejected, never silently ignored: a client that asks for ``logit_bias`` or
-``tools`` must not get something else without knowing. :func:`sampling_params` is shared
-with the native invoke API.
+support yet are rejected, never silently ignored: a client that asks for ``logit_bias`` must
+not get something else without knowing. :func:`sampling_params` is shared with the native
+invoke API; tools are checked in :mod:`hotpool.platform.tools`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from hotpool.platform.errors import invalid
+from hotpool.platform.response_format import parse_response_format
+from hotpool.platform.tools import parse_call_id, parse_tool_calls, parse_tools
 from hotpool.worker.protocol import MAX_LOGPROBS, MAX_N, ChatMessage, SamplingParams
 
 Endpoint = Literal["chat.completions", "completions", "invoke"]
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
 MAX_USER = 256  # characters of the `user` end-user id, as OpenAI allows
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' `logprobs`, as OpenAI allows
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1  # int64, as OpenAI; torch takes no wider seed
 MAX_NAME = 256  # characters of a message's `name`
-# What OpenAI's own assistant messages carry besides role and content: a client that sends
-# a response's message back (``message.model_dump()``) sends them, null or empty. Null or
-# empty they say nothing and pass; with a value they are refused like any other field.
-_EMPTY_MESSAGE_FIELDS = {"refusal", "annotations", "audio", "function_call", "tool_calls"}
+# What OpenAI's own assistant messages carry besides role, content and tool calls: a client
+# that sends a response's message back (``message.model_dump()``) sends them, null or empty.
+# Null or empty they say nothing and pass; with a value they are refused like any other field.
+_EMPTY_MESSAGE_FIELDS = {"refusal", "annotations", "audio", "function_call"}
+_MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 
 _SAMPLING = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
@@ -60,6 +63,11 @@ class CompletionCall:
     messages: tuple[ChatMessage, ...] | None = None
     prompt: str | None = None
     user: str | None = None
+    # Chat's tools (compact JSON text of the checked list; None: none), and tool_choice:
+    # "none", "auto", "required" or a function's name (hotpool.platform.tools).
+    tools: str | None = None
+    tool_choice: str = "none"
+    parallel_tool_calls: bool = True
 
 
 def parse_chat(body: Any) -> CompletionCall:
@@ -75,13 +83,7 @@ def parse_chat(body: Any) -> CompletionCall:
             "max_tokens",
         )
     max_tokens = new if new is not None else old
-    b.opt("tools", list, None)  # the wrong type is a type error, not "unsupported"
-    b.unsupported_unless("tools", lambda v: not v)
-    b.unsupported_unless("tool_choice", lambda v: v in (None, "none"))
-    b.unsupported_unless("parallel_tool_calls", lambda v: v is None)
-    b.unsupported_unless(
-        "response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text")
-    )
+    tools = parse_tools(*(b.body.get(k) for k in ("tools", "tool_choice", "parallel_tool_calls")))
     logprobs = b.opt("logprobs", bool, False)
     top = b.opt_int("top_logprobs", 0)
     if top is not None and top > MAX_LOGPROBS:
@@ -89,7 +91,10 @@ def parse_chat(body: Any) -> CompletionCall:
     if top is not None and not logprobs:
         raise invalid("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
     num_logprobs = (top or 0) if logprobs else None
-    return _call(b, "chat.completions", max_tokens, num_logprobs, messages=messages)
+    call = _call(b, "chat.completions", max_tokens, num_logprobs, messages=messages)
+    return replace(
+        call, tools=tools.tools, tool_choice=tools.choice, parallel_tool_calls=tools.parallel
+    )
 
 
 def parse_completion(body: Any) -> CompletionCall:
@@ -115,7 +120,8 @@ def parse_completion(body: Any) -> CompletionCall:
 
 
 def parse_messages(b: Body) -> tuple[ChatMessage, ...]:
-    """``messages``: at least one, each with a known role and text content."""
+    """``messages``: at least one, each with a known role and text content (an assistant's
+    may be null beside its ``tool_calls``; a ``tool`` message names its ``tool_call_id``)."""
     messages = tuple(_message(m, i) for i, m in enumerate(b.require("messages", list)))
     if not messages:
         raise invalid("`messages` must hold at least one message", "messages")
@@ -178,6 +184,7 @@ def sampling_params(b: Body, max_tokens: int | None, logprobs: int | None) -> Sa
         ignore_eos=bool(b.opt("ignore_eos", bool, False)),
         logprobs=logprobs,
         n=n,
+        response_format=parse_response_format(b.body.get("response_format")),
     )
     try:
         params.validate()
@@ -212,15 +219,24 @@ def _message(raw: Any, i: int) -> ChatMessage:
     unknown = {
         k
         for k, v in raw.items()
-        if k not in ("role", "content", "name")
-        and not (k in _EMPTY_MESSAGE_FIELDS and (v is None or v == []))
+        if k not in _MESSAGE_FIELDS and not (k in _EMPTY_MESSAGE_FIELDS and (v is None or v == []))
     }
     if unknown:
         raise invalid(f"`{param}` has unsupported fields: {', '.join(sorted(unknown))}", param)
     role = raw.get("role")
     if role not in ROLES:
         raise invalid(f"`{param}.role` must be one of {', '.join(ROLES)}", f"{param}.role")
+    if role != "assistant" and raw.get("tool_calls") not in (None, []):
+        raise invalid("only assistant messages carry `tool_calls`", f"{param}.tool_calls")
+    calls = parse_tool_calls(raw.get("tool_calls"), f"{param}.tool_calls")
+    call_id = None
+    if role == "tool":
+        call_id = parse_call_id(raw.get("tool_call_id"), f"{param}.tool_call_id")
+    elif raw.get("tool_call_id") is not None:
+        raise invalid("only tool messages carry a `tool_call_id`", f"{param}.tool_call_id")
     content = raw.get("content")
+    if content is None and calls is not None:
+        content = ""  # an assistant turn of tool calls only
     if isinstance(content, list):  # content parts: text only for now
         texts = []
         for part in content:
@@ -239,7 +255,8 @@ def _message(raw: Any, i: int) -> ChatMessage:
         raise invalid(
             f"`{param}.name` must be a string of 1 to {MAX_NAME} characters", f"{param}.name"
         )
-    return ChatMessage(role="system" if role == "developer" else role, content=content, name=name)
+    role = "system" if role == "developer" else role
+    return ChatMessage(role, content, name, tool_calls=calls, tool_call_id=call_id)
 
 
 class Body:

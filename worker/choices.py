@@ -15,12 +15,15 @@ from dataclasses import dataclass, field, replace
 from hotpool.worker.detokenizer import IncrementalDetokenizer
 from hotpool.worker.engine.base import EngineRequest, RequestOutput, SampledToken
 from hotpool.worker.protocol import (
+    FinishReason,
     GenerateEvent,
     PositionLogprobs,
     SamplingParams,
     TokenLogprob,
     Usage,
 )
+from hotpool.worker.structured.tool_parser import Piece, ToolCallParser
+from hotpool.worker.structured.tools import ToolFormat
 from hotpool.worker.tokenizer import TextTokenizer
 
 MIN_LOGPROB = -9999.0  # what OpenAI reports for a token the model rules out; JSON has no -inf
@@ -59,20 +62,34 @@ class _Choice:
     held: list[tuple[int, int, PositionLogprobs | None]] = field(default_factory=list)
     unsent: str = ""  # text the detokenizer released that waits for the rest of its token
     sent_chars: int = 0
+    tools: ToolCallParser | None = None  # reads tool calls out of the released text
 
 
 class Choices:
     """The state of a request's choices; :meth:`event` turns each engine output into the
-    event to send (or ``None``), and :attr:`done` says when every choice has finished."""
+    event to send (or ``None``), and :attr:`done` says when every choice has finished.
+
+    With ``tool_format`` (a request with tools the model may call), each choice's text goes
+    through a :class:`ToolCallParser`: calls leave the content and travel as the event's
+    ``tool_calls`` pieces, while its tokens and logprobs travel as they would (all billed),
+    and a choice that called a tool and stopped finishes with ``"tool_calls"``."""
 
     def __init__(
-        self, tokenizer: TextTokenizer, requests: Sequence[EngineRequest], stop: Sequence[str]
+        self,
+        tokenizer: TextTokenizer,
+        requests: Sequence[EngineRequest],
+        stop: Sequence[str],
+        tool_format: ToolFormat | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.num_prompt = len(requests[0].prompt_token_ids)
         self.want_logprobs = requests[0].params.logprobs is not None
         self._by_id = {
-            r.request_id: _Choice(i, IncrementalDetokenizer(tokenizer, stop, r.params.min_tokens))
+            r.request_id: _Choice(
+                i,
+                IncrementalDetokenizer(tokenizer, stop, r.params.min_tokens),
+                tools=None if tool_format is None else ToolCallParser(tool_format),
+            )
             for i, r in enumerate(requests)
         }
 
@@ -103,25 +120,34 @@ class Choices:
             c.unsent += c.detok.flush()
             held = replace(out, new_token_ids=(), logprobs=())  # an error brings no token
             text, token_ids, logprobs = self._release(c, held, last=True)  # what was held
+            text, calls = _parse(c, text, last=True)
             return GenerateEvent(
-                text, token_ids, "error", self.usage(), out.error, index=c.index, logprobs=logprobs
-            )
+                text, token_ids, "error", self.usage(), out.error, index=c.index,
+                logprobs=logprobs, tool_calls=calls,
+            )  # fmt: skip
         c.num_tokens += len(out.new_token_ids)
         c.unsent += c.detok.push(out.new_token_ids)
-        reason = "stop" if c.detok.stopped else out.finish_reason
+        reason: FinishReason | None = "stop" if c.detok.stopped else out.finish_reason
         if reason is not None:
             c.unsent += c.detok.flush()
         text, token_ids, logprobs = self._release(c, out, last=reason is not None)
+        text, calls = _parse(c, text, last=reason is not None)
         if reason is not None:
             c.done = True
+            if reason == "stop" and c.tools is not None and c.tools.calls:
+                reason = "tool_calls"
             return GenerateEvent(
-                text, token_ids, reason, self.usage(), index=c.index, logprobs=logprobs
-            )
-        if not (text or out.new_token_ids):
+                text, token_ids, reason, self.usage(), index=c.index, logprobs=logprobs,
+                tool_calls=calls,
+            )  # fmt: skip
+        if not (text or out.new_token_ids or calls):
             return None
         # Running usage on every event (held tokens counted): whoever cuts the stream knows
         # what it cost.
-        return GenerateEvent(text, token_ids, usage=self.usage(), index=c.index, logprobs=logprobs)
+        return GenerateEvent(
+            text, token_ids, usage=self.usage(), index=c.index, logprobs=logprobs,
+            tool_calls=calls,
+        )  # fmt: skip
 
     def _release(
         self, c: _Choice, out: RequestOutput, last: bool
@@ -165,3 +191,14 @@ class Choices:
         text, utf8 = self.tokenizer.token_piece(token_id)
         value = logprob if math.isfinite(logprob) else MIN_LOGPROB
         return TokenLogprob(token_id, text, max(value, MIN_LOGPROB), utf8)
+
+
+def _parse(c: _Choice, text: str, last: bool) -> tuple[str, tuple[Piece, ...]]:
+    """A choice's released text as (content, tool call pieces); unchanged without tools."""
+    if c.tools is None:
+        return text, ()
+    content, pieces = c.tools.push(text)
+    if last:
+        rest, more = c.tools.flush()
+        content, pieces = content + rest, pieces + more
+    return content, tuple(pieces)

@@ -14,12 +14,16 @@ from typing import Any, Literal
 
 import orjson
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+# "tool_calls": the choice ended after the model called tools (OpenAI's reason).
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 
 
 # Model types (a snapshot manifest's ``architecture``, config.json's ``model_type``) that the
 # worker's model code runs; the control plane checks deployments against it without torch.
-RUNNABLE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# tests/worker/test_family_push_serve.py holds it to every family's pushed snapshot.
+RUNNABLE_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma3_text",
+)  # fmt: skip
 
 
 def wire_dumps(obj: Any) -> bytes:
@@ -48,9 +52,13 @@ MAX_LOGPROBS = 20  # top alternatives per position
 
 @dataclass(frozen=True)
 class ChatMessage:
-    role: str
+    role: str  # system, user, assistant or tool
     content: str
     name: str | None = None  # the participant's name, given to the chat template as is
+    # An assistant message's tool calls, as OpenAI's JSON list ([{id, type, function: {name,
+    # arguments}}]) in compact JSON text: the wire stays flat. None: no tool calls.
+    tool_calls: str | None = None
+    tool_call_id: str | None = None  # a ``tool`` message: the call it answers
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each sampled position (0: only the token's)
     n: int = 1  # choices for the prompt: the worker runs n sequences, one request
+    # Structured output, compact JSON text (the wire stays flat): {"type": "json_object"} or
+    # {"type": "json_schema", "schema": {...}, "strict": bool}; None: free text. The worker
+    # compiles it into a grammar that masks the sampler's choices at every step.
+    response_format: str | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first parameter out of range."""
@@ -118,6 +130,11 @@ class GenerateRequest:
     params: SamplingParams
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
+    # OpenAI's ``tools`` (a list of function definitions) as compact JSON text, and
+    # ``tool_choice``: "none", "auto", "required" or a function's name; chat only.
+    tools: str | None = None
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
 
     def to_json(self) -> dict[str, Any]:
         # By hand: dataclasses.asdict deep-copies every field and costs ~10x this, once per
@@ -128,7 +145,10 @@ class GenerateRequest:
             "request_id": self.request_id,
             "params": {name: getattr(self.params, name) for name in _PARAM_FIELDS},
             "prompt": self.prompt,
-            "messages": None if messages is None else [message_json(m) for m in messages],
+            "messages": None if messages is None else [message_wire(m) for m in messages],
+            "tools": self.tools,
+            "tool_choice": self.tool_choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
         }
 
     @classmethod
@@ -139,6 +159,9 @@ class GenerateRequest:
             params=SamplingParams.from_json(data.get("params") or {}),
             prompt=data.get("prompt"),
             messages=None if messages is None else tuple(ChatMessage(**m) for m in messages),
+            tools=data.get("tools"),
+            tool_choice=data.get("tool_choice") or "auto",
+            parallel_tool_calls=bool(data.get("parallel_tool_calls", True)),
         )
 
 
@@ -212,6 +235,10 @@ class GenerateEvent:
     error: str | None = None
     index: int = 0
     logprobs: tuple[PositionLogprobs, ...] = ()
+    # Pieces of tool calls parsed from the choice's output, as OpenAI's streamed
+    # ``delta.tool_calls`` entries: {"index", "id", "type", "function": {"name",
+    # "arguments"}} on a call's first piece, {"index", "function": {"arguments"}} after.
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         # By hand, as GenerateRequest's: one of these per token on the worker.
@@ -230,6 +257,7 @@ class GenerateEvent:
             "error": self.error,
             "index": self.index,
             "logprobs": [p.to_json() for p in self.logprobs],
+            "tool_calls": list(self.tool_calls),
         }
 
     @classmethod
@@ -248,6 +276,7 @@ class GenerateEvent:
             error=data.get("error"),
             index=data.get("index", 0),
             logprobs=tuple(map(PositionLogprobs.from_json, logprobs)) if logprobs else (),
+            tool_calls=tuple(data.get("tool_calls") or ()),
         )
         return event
 
@@ -314,6 +343,16 @@ class WorkerInfo:
         if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float)):
             raise TypeError(f"kv_cache_usage must be a number, not {type(usage).__name__}")
         return info
+
+
+def message_wire(m: ChatMessage) -> dict[str, Any]:
+    """A message on the wire to the worker: every field that is set."""
+    out = message_json(m)
+    if m.tool_calls is not None:
+        out["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
 
 
 def message_json(m: ChatMessage) -> dict[str, str]:

@@ -9,10 +9,14 @@ warm up with one short forward pass. A model the worker unloads stays in host me
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -32,7 +36,11 @@ from hotpool.worker.protocol import (
     SamplingParams,
 )
 from hotpool.worker.snapshot.cache import SnapshotCache
+from hotpool.worker.structured.grammar import GrammarCompiler, GrammarError
+from hotpool.worker.structured.tools import ToolFormat, tool_constraint
 from hotpool.worker.tokenizer import TextTokenizer
+
+COMPILE_TIMEOUT_S = 10.0  # a structured-output constraint that compiles longer is a 400
 
 
 class NotLoaded(RuntimeError):
@@ -48,6 +56,36 @@ class LoadedModel:
     model: LlamaModel
     host_key: HostKey
     pinned: bool  # holds a pin on its snapshot in the disk cache
+    _grammars: Future[GrammarCompiler] | None = None
+
+    def prepare_grammars(self) -> None:
+        """Start building the structured-output compiler in the background: the grammar
+        engine reads the whole vocabulary once (~1 s for SmolLM2's 49k tokens, ~5 s for
+        Gemma's 262k on 2 cores), which neither the cold start nor the first structured
+        request should wait for in full."""
+        if self._grammars is None:
+            self._grammars = Future()
+            threading.Thread(target=self._build_grammars, name="grammars", daemon=True).start()
+
+    def _build_grammars(self) -> None:
+        assert self._grammars is not None
+        try:
+            self._grammars.set_result(
+                GrammarCompiler(
+                    self.tokenizer.to_json(),
+                    self.model.config.vocab_size,
+                    self.tokenizer.eos_token_ids,
+                )
+            )
+        except BaseException as exc:  # reported to the request that needs it
+            self._grammars.set_exception(exc)
+
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler for this model's tokenizer (blocking: waits for
+        :meth:`prepare_grammars`; call it off the event loop)."""
+        self.prepare_grammars()
+        assert self._grammars is not None
+        return self._grammars.result()
 
 
 def pick_device(setting: str) -> torch.device:
@@ -143,6 +181,7 @@ class WorkerService:
         loaded = LoadedModel(
             req.deployment, manifest.digest, tokenizer, AsyncEngine(engine), model, key, pinned
         )
+        loaded.prepare_grammars()
         result = LoadResult(req.deployment, manifest.digest, tier != "remote", phases, tier)
         return result, loaded
 
@@ -184,7 +223,7 @@ class WorkerService:
             raise RequestRejected(str(exc)) from None
         tok = loaded.tokenizer
         if req.messages is not None:
-            ids = tuple(tok.encode_chat(req.messages))
+            ids = tuple(tok.encode_chat(req.messages, request_tools(req)))
         else:
             ids = tuple(tok.encode(req.prompt or ""))
         return loaded, engine_requests(req.request_id, ids, req.params, tok.eos_token_ids)
@@ -193,7 +232,12 @@ class WorkerService:
         """Stream text deltas of each choice (tagged with its ``index``); each choice's last
         event has its ``finish_reason``, and the stream's last one the exact ``usage``."""
         loaded, ereqs = self.prepare(req)
-        choices = Choices(loaded.tokenizer, ereqs, req.params.stop)
+        tok = loaded.tokenizer
+        constraint = request_constraint(req, tok.tool_format)
+        if constraint is not None:
+            ereqs = await _constrained(loaded, ereqs, constraint)
+        parse_calls = request_tools(req) is not None
+        choices = Choices(tok, ereqs, req.params.stop, tok.tool_format if parse_calls else None)
         engine = loaded.engine
         self._running[req.request_id] = tuple(e.request_id for e in ereqs)
         try:
@@ -214,6 +258,55 @@ class WorkerService:
             yield GenerateEvent(finish_reason="error", usage=choices.usage(), error=str(exc))
         finally:
             self._running.pop(req.request_id, None)
+
+
+def request_tools(req: GenerateRequest) -> list[dict[str, Any]] | None:
+    """The tools a chat request lets the model call (OpenAI's tool dicts); None without
+    tools or with ``tool_choice`` "none" (then the tools are not even rendered, as vLLM)."""
+    if not req.tools or req.tool_choice == "none" or req.messages is None:
+        return None
+    try:
+        tools = json.loads(req.tools)
+    except ValueError:
+        raise RequestRejected("`tools` is not JSON") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RequestRejected("`tools` must be a list of tool objects")
+    return tools or None
+
+
+def request_constraint(req: GenerateRequest, fmt: ToolFormat = "hermes") -> str | None:
+    """The grammar constraint of a request, or None: with ``tool_choice`` "required" or a
+    function's name, the tool call(s) in the model's call format ``fmt``; else its
+    ``response_format``. A call that must happen wins over a response format: the two
+    cannot both hold, and the call is what the client asked the model to do."""
+    tools = request_tools(req)
+    if tools is not None and req.tool_choice not in ("auto", "none"):
+        return tool_constraint(tools, req.tool_choice, req.parallel_tool_calls, fmt)
+    return req.params.response_format
+
+
+async def _constrained(
+    loaded: LoadedModel, ereqs: list[EngineRequest], constraint: str
+) -> list[EngineRequest]:
+    """Each choice with its own matcher of ``constraint``, compiled (or found in the cache)
+    off the event loop, within :data:`COMPILE_TIMEOUT_S`; a 400 otherwise."""
+
+    compiler = await asyncio.to_thread(loaded.grammars)  # once per model: not timed
+
+    def matchers() -> list[EngineRequest]:
+        return [replace(e, grammar=compiler.matcher(constraint)) for e in ereqs]
+
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(matchers), COMPILE_TIMEOUT_S)
+    except GrammarError as exc:
+        raise RequestRejected(str(exc)) from None
+    except TimeoutError:
+        # The compile goes on in its thread (llguidance's fuel limits bound it); the request
+        # is refused now, and a later one with the same schema finds it compiled.
+        raise RequestRejected(
+            f"the response format took longer than {COMPILE_TIMEOUT_S:g} s to compile; "
+            "simplify the schema"
+        ) from None
 
 
 def _warm_up(engine: LLMEngine) -> None:

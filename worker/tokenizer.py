@@ -6,11 +6,18 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from hotpool.worker.protocol import ChatMessage, message_json
+from hotpool.worker.protocol import ChatMessage
+from hotpool.worker.structured.tools import (
+    ToolFormat,
+    template_knows_tools,
+    template_messages,
+    tool_format,
+)
 
 
 class TemplateError(ValueError):
@@ -30,7 +37,12 @@ class TextTokenizer:
         # Templates are user-supplied code: render them in Jinja's sandbox.
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = _tojson
         self._template = env.from_string(template) if template else None
+        source = template if isinstance(template, str) else None
+        # Whether the template renders `tools` itself, and the call format it teaches.
+        self.knows_tools = template_knows_tools(source)
+        self.tool_format: ToolFormat = tool_format(source)
         decoder = self._tok.decoder
         decoder_json = decoder.__getstate__().decode() if decoder is not None else ""
         self._byte_level = '"ByteLevel"' in decoder_json
@@ -56,6 +68,10 @@ class TextTokenizer:
         self._literal = Tokenizer.from_str(json.dumps(literal))
         self._literal.encode_special_tokens = True
 
+    def to_json(self) -> str:
+        """The tokenizer as HF ``tokenizers`` serializes it (what grammar engines read)."""
+        return self._tok.to_str()
+
     @property
     def eos_token_ids(self) -> frozenset[int]:
         """The tokenizer's EOS and generation_config.json's ``eos_token_id`` (a chat model's
@@ -76,7 +92,9 @@ class TextTokenizer:
             ids.insert(0, bos)
         return ids
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
         """A chat's prompt: the template rendered and tokenized, where control tokens come
         from the template only.
 
@@ -86,20 +104,20 @@ class TextTokenizer:
         user's turn and let the user write the assistant's or the system's (role spoofing).
         To tell the messages' text from the template's, the template is rendered once with
         each message's text (and name) between two lone surrogates, which no text holds (the
-        control plane refuses them). A chat whose messages hold no control text gets exactly
-        ``encode(apply_chat_template(messages))``."""
+        control plane refuses them). The strings of ``tools`` and of tool calls that spell
+        control text are marked the same way. A chat whose messages hold no control text gets
+        exactly ``encode(apply_chat_template(messages, tools))``."""
         found = self._specials
         if found is None:
-            return self.encode(self.apply_chat_template(messages))
-        enclosed = [
-            ChatMessage(m.role, _enclose(m.content), None if m.name is None else _enclose(m.name))
-            for m in messages
-        ]
-        parts = _regions(self.apply_chat_template(enclosed))
+            return self.encode(self.apply_chat_template(messages, tools))
+        chat, tool_list = self._chat(messages, tools)
+        enclosed = [_enclosed(m, found) for m in chat]
+        marked = None if tool_list is None else _marked(tool_list, found)
+        parts = _regions(self._render(enclosed, marked))
         if parts is None:  # the template cut a message's text apart: as rendered, then
-            return self.encode(self.apply_chat_template(messages))
+            return self.encode(self._render(chat, tool_list))
         if not any(is_text and found.search(t) for t, is_text in parts):
-            return self.encode(self.apply_chat_template(messages))
+            return self.encode(self._render(chat, tool_list))
         ids: list[int] = []
         plain: list[str] = []  # text to tokenize as one piece, up to the next control token
         for text, is_text in parts:
@@ -154,12 +172,28 @@ class TextTokenizer:
             return bytes([int(m.group(1), 16)])
         return piece.replace("\u2581", " ").encode()
 
-    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None = None
+    ) -> str:
+        """The prompt text; ``tools`` (OpenAI's function tools) as the template renders them,
+        or in the system message when it does not know tools
+        (:func:`~hotpool.worker.structured.tools.template_messages`)."""
+        return self._render(*self._chat(messages, tools))
+
+    def _chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The template's ``messages`` and ``tools`` (None unless it renders them itself)."""
+        chat = template_messages(messages, tools, self.knows_tools)
+        return chat, list(tools) if tools and self.knows_tools else None
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         if self._template is None:
             raise TemplateError("this model has no chat template; use /v1/completions")
         try:
             return self._template.render(
-                messages=[message_json(m) for m in messages],
+                messages=messages,
+                tools=tools,
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -171,6 +205,41 @@ class TextTokenizer:
 _OPEN, _CLOSE = "\ud800", "\udc00"  # around a message's text while the template renders
 _MARKS = re.compile(f"[{_OPEN}{_CLOSE}]")
 _MARKUP = re.compile(r"<[^\s<>]{1,64}>")  # an added token like <tool_call> or <|fim_pad|>
+
+
+def _enclosed(message: dict[str, Any], found: re.Pattern[str]) -> dict[str, Any]:
+    """A template message with its text and name enclosed, and any other string of it (tool
+    calls, their ids) that spells control text."""
+    out = _marked(message, found)
+    for key in ("content", "name"):
+        if isinstance(message.get(key), str):
+            out[key] = _enclose(message[key])
+    return out  # type: ignore[no-any-return]
+
+
+def _marked(value: Any, found: re.Pattern[str]) -> Any:
+    """``value`` (JSON data) with each string that spells control text enclosed, keys too."""
+    if isinstance(value, str):
+        return _enclose(value) if found.search(value) else value
+    if isinstance(value, list):
+        return [_marked(v, found) for v in value]
+    if isinstance(value, dict):
+        return {_marked(k, found): _marked(v, found) for k, v in value.items()}
+    return value
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """HF's ``tojson`` for chat templates: plain JSON (Jinja's own escapes ``<``, ``>``, ``&``
+    and ``'`` for HTML, which no tool-calling template expects)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _enclose(text: str) -> str:

@@ -57,9 +57,13 @@ def nucleus_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
 
 def _torch_only(
-    native: object, x: torch.Tensor, rows: list[SamplingRow], gens: list[torch.Generator | None]
+    native: object,
+    x: torch.Tensor,
+    rows: list[SamplingRow],
+    gens: list[torch.Generator | None],
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return sampling_torch._sample_torch(sampling_torch._penalized(x, rows), rows, gens)
+    return sampling_torch.sample_penalized(x, rows, gens, mask)
 
 
 # --- greedy ------------------------------------------------------------------------------

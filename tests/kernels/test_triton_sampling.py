@@ -215,11 +215,11 @@ def logits_read(
     start, row_bytes = x.data_ptr(), x.stride(0) * x.element_size()
     loaded = np.zeros(x.shape[0])
 
-    def counting(base: Any, idx: Any, row_ok: Any, limit: Any) -> Any:
+    def counting(base: Any, idx: Any, row_ok: Any, limit: Any, mbase: Any, masked: Any) -> Any:
         row = (int(np.asarray(base.handle.data).ravel()[0]) - start) // row_bytes
         if 0 <= row < x.shape[0]:  # not the candidates' scratch
             loaded[row] += np.count_nonzero((row_ok[:, None] & (idx < limit)).handle.data)
-        return load_tile(base, idx, row_ok, limit)
+        return load_tile(base, idx, row_ok, limit, mbase, masked)
 
     for module in (triton_sampling, sampling_candidates, sampling_pivot_search):
         monkeypatch.setattr(module, "load_tile", counting)
@@ -383,15 +383,18 @@ from hotpool.kernels.triton_sampling import _GREEDY_BELOW, _sample_kernel
 assert isinstance(_sample_kernel, triton.runtime.JITFunction)
 ptr = {"logits_ptr": "*fp32", "temperature_ptr": "*fp32", "top_k_ptr": "*i32",
        "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "seed_ptr": "*i64", "offset_ptr": "*i64",
-       "token_ptr": "*i64", "logprob_ptr": "*fp32", "cand_ptr": "*fp32"}
-for dtype, block, prefetch, filters in (("fp32", 1024, False, True), ("bf16", 64, True, True),
-                                        ("fp32", 2048, True, False)):
-    signature = {**ptr, "logits_ptr": "*" + dtype, "stride_row": "i32", "B": "i32", "V": "i32",
-                 "GREEDY_BELOW": "constexpr", "BLOCK": "constexpr", "ROWS": "constexpr",
-                 "SLOTS": "constexpr", "PREFETCH": "constexpr", "CHUNK": "constexpr",
-                 "FILTERS": "constexpr"}
+       "token_ptr": "*i64", "logprob_ptr": "*fp32", "cand_ptr": "*fp32", "mask_ptr": "*i32"}
+for dtype, block, prefetch, filters, mask in (
+    ("fp32", 1024, False, True, False), ("bf16", 64, True, True, False),
+    ("fp32", 2048, True, False, False), ("bf16", 2048, True, True, True),
+    ("fp32", 2048, True, False, True),
+):
+    signature = {**ptr, "logits_ptr": "*" + dtype, "stride_row": "i32", "stride_mask": "i32",
+                 "B": "i32", "V": "i32", "GREEDY_BELOW": "constexpr", "BLOCK": "constexpr",
+                 "ROWS": "constexpr", "SLOTS": "constexpr", "PREFETCH": "constexpr",
+                 "CHUNK": "constexpr", "FILTERS": "constexpr", "HAS_MASK": "constexpr"}
     constexprs = {"GREEDY_BELOW": _GREEDY_BELOW, "BLOCK": block, "ROWS": 1, "SLOTS": 16,
-                  "PREFETCH": prefetch, "CHUNK": 32, "FILTERS": filters}
+                  "PREFETCH": prefetch, "CHUNK": 32, "FILTERS": filters, "HAS_MASK": mask}
     src = ASTSource(fn=_sample_kernel, signature=signature, constexprs=constexprs)
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 """

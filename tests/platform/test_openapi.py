@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -103,8 +104,9 @@ class NoWorkers(LocalProcessBackend):
 
 
 class ScriptedInvoker:
-    """Answers like a replica would (``n`` choices, logprobs when asked, usage on the last
-    event), so the success path of every invocation route meets the document too."""
+    """Answers like a replica would (``n`` choices, logprobs when asked, a tool call when the
+    model may make one, usage on the last event), so the success path of every invocation
+    route meets the document too."""
 
     async def close(self) -> None:
         pass
@@ -121,9 +123,17 @@ class ScriptedInvoker:
             served.version = target.version
         p = call.params
         finishes = ("stop", "length", "abort")
+        calls = call.tools is not None and call.tool_choice != "none"
         for i in range(p.n):
             for step, text in enumerate(("Hel", "lo\ufffd", "")):
                 last = step == 2
+                tool_calls: tuple[dict[str, Any], ...] = ()
+                if calls and last:  # the model called a tool: OpenAI's pieces of it
+                    first = {"name": "f", "arguments": ""}
+                    tool_calls = (
+                        {"index": 0, "id": "call_1", "type": "function", "function": first},
+                        {"index": 0, "function": {"arguments": '{"a":1}'}},
+                    )
                 positions = ()
                 if p.logprobs is not None and not last:
                     top = tuple(
@@ -135,10 +145,11 @@ class ScriptedInvoker:
                 yield GenerateEvent(
                     text=text,
                     token_ids=() if last else (5 + step,),
-                    finish_reason=finishes[i % 3] if last else None,
+                    finish_reason=("tool_calls" if calls else finishes[i % 3]) if last else None,
                     usage=Usage(3, 2 * (i + 1), 1) if last and i == p.n - 1 else None,
                     index=i,
                     logprobs=positions,
+                    tool_calls=tool_calls,
                 )
 
 
@@ -306,6 +317,33 @@ def test_every_public_route_is_documented_and_nothing_else(world: World) -> None
 def _body(path: str, method: str) -> dict[str, Any]:
     schema = DOCUMENT["paths"][path][method]["requestBody"]["content"][JSON]["schema"]
     return schema  # type: ignore[no-any-return]
+
+
+def _conforms(value: Any, component: str) -> None:
+    schema = {"$ref": f"#/components/schemas/{component}", "components": DOCUMENT["components"]}
+    jsonschema.validate(value, schema, cls=jsonschema.Draft202012Validator)
+
+
+def test_a_tool_call_conversation_and_its_answers_match_the_document(scripted: World) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"},
+    ]
+    body = {"model": "tiny", "messages": messages, "tools": [tool], "tool_choice": "required"}
+    schema = _body("/v1/chat/completions", "post")
+    jsonschema.validate(body, {**schema, "components": DOCUMENT["components"]})
+    r = scripted.request("POST", "/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    _conforms(r.json(), "ChatCompletion")
+    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"a":1}'
+    r = scripted.request("POST", "/v1/chat/completions", json={**body, "stream": True})
+    chunks = [json.loads(b[6:]) for b in r.text.split("\n\n") if b.startswith("data: {")]
+    for chunk in chunks:
+        _conforms(chunk, "ChatCompletionChunk")
+    assert any(ch["delta"].get("tool_calls") for c in chunks for ch in c["choices"])
 
 
 def test_request_schemas_name_exactly_the_fields_the_parsers_accept() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hotpool.platform.openai_routes import _Shape, _sse
+from hotpool.platform.openai_routes import _collect, _Shape, _sse
 from hotpool.platform.schemas import CompletionCall, parse_chat, parse_completion
 from hotpool.worker.protocol import GenerateEvent, Usage
 
@@ -27,10 +27,15 @@ def _call(chat: bool, n: int, usage: bool, model: str) -> CompletionCall:
     return parse_completion({**body, "prompt": "x"})
 
 
-def _stream(call: CompletionCall) -> list[dict[str, Any]]:
+def _stream(
+    call: CompletionCall, events: list[GenerateEvent] | None = None
+) -> list[dict[str, Any]]:
     n = call.params.n
-    events = [GenerateEvent(index=i % n, text=t, token_ids=[1]) for i, t in enumerate(TEXTS)]
-    events += [GenerateEvent(index=i, finish_reason="length", usage=Usage(3, 6)) for i in range(n)]
+    if events is None:
+        events = [GenerateEvent(index=i % n, text=t, token_ids=(1,)) for i, t in enumerate(TEXTS)]
+        events += [
+            GenerateEvent(index=i, finish_reason="length", usage=Usage(3, 6)) for i in range(n)
+        ]
 
     async def rest() -> AsyncIterator[GenerateEvent]:
         for e in events[1:]:
@@ -81,3 +86,66 @@ def test_text_chunks_carry_the_text_in_the_same_envelope_as_every_chunk(
     if usage:
         assert chunks[-1]["usage"]["completion_tokens"] == 6 and chunks[-1]["choices"] == []
         assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def _piece(index: int, name: str | None, arguments: str) -> dict[str, Any]:
+    if name is None:
+        return {"index": index, "function": {"arguments": arguments}}
+    function = {"name": name, "arguments": arguments}
+    return {"index": index, "id": f"call_{index}", "type": "function", "function": function}
+
+
+TOOL_EVENTS = [
+    GenerateEvent(text="Let me look.", token_ids=(1, 2)),
+    GenerateEvent(token_ids=(3, 4)),  # a call's tokens, its text held by the parser
+    GenerateEvent(token_ids=(5,), tool_calls=(_piece(0, "f", ""), _piece(0, None, '{"a":1}'))),
+    GenerateEvent(
+        token_ids=(6,),
+        tool_calls=(_piece(1, "g", ""), _piece(1, None, "{}")),
+        finish_reason="tool_calls",
+        usage=Usage(3, 6),
+    ),
+]
+CALLS = [
+    {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}},
+    {"id": "call_1", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+]
+
+
+def test_streamed_tool_calls_are_delta_tool_calls_and_finish_with_tool_calls() -> None:
+    call = _call(True, 1, False, "tiny")
+    chunks = _stream(call, TOOL_EVENTS)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": "Let me look."}
+    pieces = [p for d in deltas for p in d.get("tool_calls", [])]
+    assert pieces == [p for e in TOOL_EVENTS for p in e.tool_calls]
+    assert all("content" not in d for d in deltas[1:])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # A choice whose first event is a call: OpenAI's null content beside it.
+    first = _stream(call, TOOL_EVENTS[2:])
+    assert first[0]["choices"][0]["delta"] == {
+        "role": "assistant", "content": None, "tool_calls": list(TOOL_EVENTS[2].tool_calls)
+    }  # fmt: skip
+
+
+def _collected(events: list[GenerateEvent]) -> dict[str, Any]:
+    async def rest() -> AsyncIterator[GenerateEvent]:
+        for e in events[1:]:
+            yield e
+
+    call = _call(True, 1, False, "tiny")
+    return asyncio.run(_collect(_Shape(call, "req_1"), events[0], rest()))
+
+
+def test_a_response_merges_the_pieces_into_message_tool_calls() -> None:
+    choice = _collected(TOOL_EVENTS)["choices"][0]
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": "Let me look.",
+        "tool_calls": CALLS,
+    }
+    assert choice["finish_reason"] == "tool_calls"
+    only_calls = _collected(TOOL_EVENTS[1:])["choices"][0]["message"]
+    assert only_calls == {"role": "assistant", "content": None, "tool_calls": CALLS}
+    plain = _collected([GenerateEvent(text="Hi", finish_reason="stop", usage=Usage(1, 1))])
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": "Hi"}

@@ -13,6 +13,7 @@ from family_models import FAMILIES, hf_model
 from starlette.testclient import TestClient
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from hotpool.platform.deployment_schema import parse_deployment
 from hotpool.worker.engine.llm_engine import EngineConfig
 from hotpool.worker.server import build_worker_app
 from hotpool.worker.service import WorkerService
@@ -45,6 +46,8 @@ def test_pushed_hf_folder_of_each_family_serves(family: str, dtype: str, tmp_pat
     uri = f"file://{tmp_path / 'store' / family}"
     manifest, _ = push_folder(folder, uri)
     assert manifest.architecture == json.loads((folder / "config.json").read_text())["model_type"]
+    # The control plane takes it as a deployment (it checks a local snapshot's model type).
+    assert parse_deployment({"name": "d", "snapshot_uri": uri}, 300.0).snapshot_uri == uri
     service = WorkerService(SnapshotCache(tmp_path / "cache"), torch.device("cpu"),
                             EngineConfig(kv_cache_bytes=8 << 20))  # fmt: skip
     with TestClient(build_worker_app(service, TOKEN, "w")) as client:

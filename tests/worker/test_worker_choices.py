@@ -215,3 +215,67 @@ def test_an_error_sends_the_text_and_tokens_held_for_a_stop_string(
     sent = [e for e in events if e is not None] + [failed]
     assert "".join(e.text for e in sent) == " Hello world"
     assert [t for e in sent for t in e.token_ids] == ids
+
+
+def _tool_events(tok: TextTokenizer, text: str, stop: str = "stop") -> list[GenerateEvent]:
+    """``text`` as a choice streams it token by token, with tool calls parsed (Hermes)."""
+    ids = tok.encode(text)
+    params = SamplingParams(max_tokens=len(ids))
+    choices = Choices(tok, [EngineRequest("r", (1, 2), params, frozenset())], (), "hermes")
+    events = [choices.event(RequestOutput("r", (i,), None, 2)) for i in ids[:-1]]
+    events.append(choices.event(RequestOutput("r", (ids[-1],), stop, 2)))  # type: ignore[arg-type]
+    return [e for e in events if e is not None]
+
+
+def test_tool_calls_leave_the_content_and_every_token_is_still_sent(
+    smollm2_snapshot_bf16: Path,
+) -> None:
+    tok = TextTokenizer(smollm2_snapshot_bf16)
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    text = f"Checking.\n<tool_call>\n{call}\n</tool_call>"
+    events = _tool_events(tok, text)
+    assert "".join(e.text for e in events) == "Checking."
+    assert [t for e in events for t in e.token_ids] == tok.encode(text)  # all billed, all sent
+    pieces = [p for e in events for p in e.tool_calls]
+    assert [p["function"] for p in pieces] == [
+        {"name": "get_weather", "arguments": ""},
+        {"arguments": '{"city":"Paris"}'},
+    ]
+    assert events[-1].finish_reason == "tool_calls"
+    assert events[-1].usage == Usage(2, len(tok.encode(text)))
+    # Cut by max_tokens, a choice that called a tool still finished by length.
+    assert _tool_events(tok, text, "length")[-1].finish_reason == "length"
+    # No call, no change: plain text stops as ever.
+    plain = _tool_events(tok, "No tools needed.")
+    assert ("".join(e.text for e in plain), plain[-1].finish_reason) == ("No tools needed.", "stop")
+
+
+def test_a_named_tool_is_called_whatever_the_model(service: WorkerService) -> None:
+    """Random weights, and still the call: the grammar holds it to the tool's schema."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "pick",
+            "parameters": {
+                "type": "object",
+                "properties": {"color": {"enum": ["red", "blue"]}},
+                "required": ["color"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    chat = (ChatMessage("user", "Pick a color."),)
+    req = GenerateRequest("tool-1", SamplingParams(max_tokens=64, seed=1), None, chat,
+                          json.dumps([tool]), "pick")  # fmt: skip
+
+    async def collect() -> list[GenerateEvent]:
+        return [e async for e in service.generate(req)]
+
+    events = asyncio.run(collect())
+    pieces = [p for e in events for p in e.tool_calls]
+    assert [p["function"].get("name") for p in pieces] == ["pick", None]
+    assert json.loads(pieces[1]["function"]["arguments"])["color"] in ("red", "blue")
+    assert "".join(e.text for e in events) == ""
+    assert events[-1].finish_reason == "tool_calls"
+    assert events[-1].usage is not None
+    assert events[-1].usage.completion_tokens == sum(len(e.token_ids) for e in events)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from hotpool.worker.engine.grammar import TokenGrammar
 from hotpool.worker.protocol import FinishReason, SamplingParams
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a request too long
@@ -31,6 +32,8 @@ class EngineRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     eos_token_ids: frozenset[int]
+    # Structured output: the tokens this request may sample, step by step (None: any).
+    grammar: TokenGrammar | None = None
 
 
 @dataclass(frozen=True)

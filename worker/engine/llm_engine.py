@@ -27,6 +27,8 @@ from hotpool.worker.engine.scheduler import Scheduler, SchedulerConfig
 from hotpool.worker.models.attention import PagedKVCache
 from hotpool.worker.models.llama import LlamaModel
 
+_GRAMMAR_FAULT = "the sampled token is not one the request's grammar allows; generation stopped"
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -151,6 +153,7 @@ class LLMEngine(Engine):
                 request.eos_token_ids,
                 next(self._arrivals),
                 max_new,
+                grammar=request.grammar,
             )
         )
 
@@ -204,6 +207,7 @@ class LLMEngine(Engine):
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                     logprobs=(token,) if req.params.logprobs is not None else (),
+                    error=_GRAMMAR_FAULT if req.finish_reason == "error" else None,
                 )
             )
         self._steps += 1

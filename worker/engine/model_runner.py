@@ -15,6 +15,7 @@ import torch
 from hotpool.kernels.paged_attention import decode_key_bias
 from hotpool.kernels.sampling import NonFiniteLogitsError, SamplingRow, sample
 from hotpool.worker.engine.base import SampledToken
+from hotpool.worker.engine.grammar import token_bitmask
 from hotpool.worker.engine.request import Request
 from hotpool.worker.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hotpool.worker.models.attention import (
@@ -87,8 +88,12 @@ class ModelRunner:
         rows = [self._row(s.request) for s in samplers]
         failed: dict[str, str] = {}
         t0 = time.perf_counter()
+        constrained = [(s.request.grammar, i) for i, s in enumerate(samplers) if s.request.grammar]
+        bitmask = (
+            token_bitmask(constrained, len(samplers), logits.shape[1]) if constrained else None
+        )
         try:
-            out = sample(logits, rows, backend=self.sampler_backend)
+            out = sample(logits, rows, backend=self.sampler_backend, token_bitmask=bitmask)
         except NonFiniteLogitsError as exc:
             # A numerical fault in some rows fails those requests, not the whole batch.
             bad = set(exc.rows)
@@ -100,7 +105,11 @@ class ModelRunner:
             samplers, rows = [samplers[i] for i in keep], [rows[i] for i in keep]
             if not samplers:
                 return StepOutput({}, failed)
-            out = sample(logits[torch.tensor(keep, device=dev)], rows, backend=self.sampler_backend)
+            kept = torch.tensor(keep, device=dev)
+            out = sample(
+                logits[kept], rows, backend=self.sampler_backend,
+                token_bitmask=None if bitmask is None else bitmask[kept.cpu()],
+            )  # fmt: skip
         finally:
             self.sampler_seconds += time.perf_counter() - t0
         tokens = out.token_ids.tolist()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from hotpool.worker.engine.grammar import TokenGrammar
 from hotpool.worker.protocol import FinishReason, SamplingParams
 
 
@@ -34,6 +35,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    grammar: TokenGrammar | None = None  # fed every sampled token (the scheduler does)
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +53,8 @@ class Request:
         """Why the request ends after sampling ``token``, if it does."""
         p = self.params
         n_out = len(self.output_token_ids)
+        if self.grammar is not None and self.grammar.is_terminated:
+            return "stop"  # the grammar took its end: nothing more may follow
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop"

@@ -143,6 +143,12 @@ class Scheduler:
             if token is None:
                 continue
             req.output_token_ids.append(token)
+            if req.grammar is not None and not req.grammar.accept(token):
+                # The mask allows only what the grammar accepts: this is a fault upstream.
+                req.finish_reason = "error"
+                self._finish(req)
+                finished.append(req)
+                continue
             reason = req.check_stop(token, self.config.max_model_len)
             if reason is not None:
                 req.finish_reason = reason
