@@ -118,3 +118,21 @@ def test_a_schema_the_engine_cannot_express_is_refused_naming_its_path(
     schema = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
     with pytest.raises(RequestRejected, match=r"schema\.properties\.a` is not supported.*not"):
         _run_all(service, [_request("bad", "x", _schema_format(schema), max_tokens=8)])
+
+
+def test_a_schema_slower_to_compile_than_the_limit_is_refused_and_the_worker_goes_on(
+    service: WorkerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hotpool.worker.service as service_module
+
+    # A limit no compile meets (a compile takes ~1 ms): the request is refused at once.
+    monkeypatch.setattr(service_module, "COMPILE_TIMEOUT_S", 1e-6)
+    schema = {"type": "object", "properties": {"slow": {"type": "string", "maxLength": 3}}}
+    with pytest.raises(RequestRejected, match=r"longer than .* to compile"):
+        _run_all(service, [_request("slow", "x", _schema_format(schema), max_tokens=8)])
+    monkeypatch.undo()
+    # The compile finished in its thread: the same schema now runs from the cache.
+    [events] = _run_all(service, [_request("again", "x", _schema_format(schema), max_tokens=40,
+                                           temperature=0.0)])  # fmt: skip
+    assert events[-1].finish_reason == "stop"
+    json.loads(_text(events)[0])
