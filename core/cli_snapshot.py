@@ -51,19 +51,14 @@ def models_pull(
     (Gemma 3 270M base, given Gemma 3's chat template), ...
     """
     from hotpool.worker.snapshot.manifest import MANIFEST_NAME
-    from hotpool.worker.snapshot.model_catalog import catalog
+    from hotpool.worker.snapshot.model_catalog import catalog_model
     from hotpool.worker.snapshot.pull import pull_model, snapshot_uri
     from hotpool.worker.snapshot.store import open_snapshot_uri
 
     settings = _settings()
     store_url = store or settings.object_store_url
     with _snapshot_errors():
-        known = catalog()
-    if model not in known:  # a usage error (exit 2), before any store is touched
-        raise click.BadParameter(
-            f"unknown model {model!r}; known: {', '.join(known)}", param_hint="MODEL"
-        )
-    with _snapshot_errors():
+        catalog_model(model)  # an unknown model fails before any store is touched
         if if_missing:
             target = snapshot_uri(store_url, name or model)
             objects, prefix = open_snapshot_uri(target)

@@ -3,7 +3,8 @@ bounds, enums, optional fields, bounded numbers, string patterns), each with a p
 structured-output tests and benchmarks/bench_structured.py share them. Strings are bounded
 (``maxLength``), and so are integers (``maximum``) and decimals (``multipleOf``): a weak
 model repeats digits forever at temperature 0 and draws them forever at 1, JSON that is
-valid so far and never closes before ``max_tokens``."""
+valid so far and never closes before ``max_tokens``. Each ``multipleOf`` is a binary
+fraction: jsonschema divides in floats and refuses 42.91 as a multiple of 0.01."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 24}
 SHORT = {"type": "string", "maxLength": 40}
-DEGREES = {"type": "number", "multipleOf": 0.01}
+DEGREES = {"type": "number", "multipleOf": 0.125}
 COORD = {"type": "integer", "minimum": -100, "maximum": 100}
 
 SCHEMAS: list[tuple[str, str, dict[str, Any]]] = [
@@ -37,7 +38,7 @@ SCHEMAS: list[tuple[str, str, dict[str, Any]]] = [
         "type": "object",
         "properties": {
             "label": {"enum": ["positive", "negative", "neutral"]},
-            "confidence": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.01},
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25},
         },
         "required": ["label", "confidence"],
     }),
