@@ -211,9 +211,12 @@ class WorkerService:
         ids = self._running.get(request_id, (request_id,))
         return any([loaded.engine.abort(i) for i in ids])
 
-    def prepare(self, req: GenerateRequest) -> tuple[LoadedModel, list[EngineRequest]]:
-        """Tokenize and split into choices; raises ``NotLoaded``, ``TemplateError`` or
-        ``RequestRejected`` before anything is streamed."""
+    def prepare(
+        self, req: GenerateRequest, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[LoadedModel, list[EngineRequest]]:
+        """Tokenize (with ``tools``, :func:`request_tools` of ``req``) and split into
+        choices; raises ``NotLoaded``, ``TemplateError`` or ``RequestRejected`` before
+        anything is streamed."""
         loaded = self.loaded
         if loaded is None:
             raise NotLoaded("no model is loaded on this worker")
@@ -223,7 +226,7 @@ class WorkerService:
             raise RequestRejected(str(exc)) from None
         tok = loaded.tokenizer
         if req.messages is not None:
-            ids = tuple(tok.encode_chat(req.messages, request_tools(req)))
+            ids = tuple(tok.encode_chat(req.messages, tools))
         else:
             ids = tuple(tok.encode(req.prompt or ""))
         return loaded, engine_requests(req.request_id, ids, req.params, tok.eos_token_ids)
@@ -231,13 +234,13 @@ class WorkerService:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         """Stream text deltas of each choice (tagged with its ``index``); each choice's last
         event has its ``finish_reason``, and the stream's last one the exact ``usage``."""
-        loaded, ereqs = self.prepare(req)
+        tools = request_tools(req)  # parsed once: rendering, the constraint, the parser
+        loaded, ereqs = self.prepare(req, tools)
         tok = loaded.tokenizer
-        constraint = request_constraint(req, tok.tool_format)
+        constraint = request_constraint(req, tok.tool_format, tools)
         if constraint is not None:
             ereqs = await _constrained(loaded, ereqs, constraint)
-        parse_calls = request_tools(req) is not None
-        choices = Choices(tok, ereqs, req.params.stop, tok.tool_format if parse_calls else None)
+        choices = Choices(tok, ereqs, req.params.stop, tok.tool_format if tools else None)
         engine = loaded.engine
         self._running[req.request_id] = tuple(e.request_id for e in ereqs)
         try:
@@ -274,12 +277,17 @@ def request_tools(req: GenerateRequest) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def request_constraint(req: GenerateRequest, fmt: ToolFormat = "hermes") -> str | None:
+def request_constraint(
+    req: GenerateRequest,
+    fmt: ToolFormat = "hermes",
+    tools: list[dict[str, Any]] | None = None,
+) -> str | None:
     """The grammar constraint of a request, or None: with ``tool_choice`` "required" or a
     function's name, the tool call(s) in the model's call format ``fmt``; else its
     ``response_format``. A call that must happen wins over a response format: the two
-    cannot both hold, and the call is what the client asked the model to do."""
-    tools = request_tools(req)
+    cannot both hold, and the call is what the client asked the model to do. ``tools``:
+    :func:`request_tools` of ``req``, when the caller has it already."""
+    tools = tools if tools is not None else request_tools(req)
     if tools is not None and req.tool_choice not in ("auto", "none"):
         return tool_constraint(tools, req.tool_choice, req.parallel_tool_calls, fmt)
     return req.params.response_format

@@ -25,7 +25,8 @@ class TokenGrammar(ABC):
     @property
     @abstractmethod
     def is_terminated(self) -> bool:
-        """The grammar is complete and has taken its end (an EOS): the request stops."""
+        """Nothing more may follow (the document closed, or an EOS ended it where it could
+        go on): the request stops with this token."""
 
     @classmethod
     @abstractmethod
