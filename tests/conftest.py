@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,12 @@ from hotpool.worker.snapshot.manifest import MANIFEST_NAME, build_manifest, writ
 from hotpool.worker.snapshot.model_catalog import catalog_model
 
 REPO = Path(__file__).resolve().parent.parent
+
+# The repo's folders are hotpool's subpackages (kernels/ is installed as hotpool.kernels), not
+# top-level packages. `python -m pytest` puts the repo root first on sys.path, where kernels/
+# would shadow HF's own `kernels` package, which transformers >= 5.25 imports: keep the root
+# off the path (what the tests import of hotpool comes from the install).
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != str(REPO)]
 
 
 @pytest.fixture(scope="session")
