@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 import torch
+from test_sampling_distribution import chi_square_p
 
 from hotpool.kernels import cpu_ops, sampling_torch
 from hotpool.kernels.sampling import NonFiniteLogitsError, SamplingRow, sample
 from hotpool.kernels.sampling_bitmask import allowed_tokens
 from hotpool.kernels.sampling_reference import penalize, reference_probs
-from tests.kernels.test_sampling_distribution import chi_square_p
 
 # In Triton's interpreter tile ops run in numpy, which warns about overflow in lanes the
 # kernel then masks out.
