@@ -93,3 +93,34 @@ def test_a_sliding_window_model_holds_a_bounded_number_of_blocks(tmp_path: Path)
     with torch.inference_mode():
         logits = hf(torch.tensor([[*PROMPTS[0], *tokens]])).logits[0]
     assert tokens == logits[len(PROMPTS[0]) - 1 : -1].argmax(dim=-1).tolist(), most_held
+
+
+def test_gemma3_frees_its_sliding_layers_blocks_and_keeps_the_global_ones(
+    tmp_path: Path,
+) -> None:
+    # Gemma 3 mixes sliding (window 8) and full layers: its cache has a layer group per kind,
+    # the sliding groups release blocks behind the window, and the tokens still equal HF's.
+    config_class, overrides = FAMILIES["gemma3"]
+    hf = hf_model(config_class, **overrides)
+    hf.save_pretrained(tmp_path)
+    engine = LLMEngine(load_model(tmp_path, CPU, torch.float32), CPU,
+                       EngineConfig(block_size=4, kv_cache_bytes=1 << 22, max_num_batched_tokens=8,
+                                    attention_backend="torch"))  # fmt: skip
+    assert engine.kv_manager.windows == (None, 8, 8)  # layers: sliding, full, sliding
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineRequest("r", tuple(PROMPTS[0]), params, frozenset()))
+    free_at_start = engine.kv_manager.num_free_blocks
+    tokens: list[int] = []
+    most_held = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens.extend(o.new_token_ids)
+        most_held = max(most_held, free_at_start - engine.kv_manager.num_free_blocks)
+    # 62 tokens span 16 blocks: the full group holds all of them, each sliding group at most
+    # the window (8) plus a chunk (8): 5. A page holds one layer here (groups of one), so
+    # that is 26 layer-blocks of memory, where one table for the three layers held 3 x 16.
+    assert engine.kv_groups.slots == 1
+    assert 16 < most_held <= 16 + 2 * 5
+    with torch.inference_mode():
+        logits = hf(torch.tensor([[*PROMPTS[0], *tokens]])).logits[0]
+    assert tokens == logits[len(PROMPTS[0]) - 1 : -1].argmax(dim=-1).tolist(), most_held

@@ -1,7 +1,7 @@
 """Property-based tests of the scheduler over the real KV cache manager (no model: a fake
 runner samples random tokens). Whatever arrives, aborts or runs short of blocks, the
 scheduler keeps its invariants and every request it was given eventually finishes, with full
-attention or a sliding window."""
+attention, a sliding window, or layer groups mixing both (Gemma 3's hybrid cache)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,19 @@ from hotpool.worker.protocol import SamplingParams
 def test_every_request_finishes_and_invariants_hold(data: st.DataObject) -> None:
     block_size = data.draw(st.integers(1, 8), "block_size")
     num_blocks = data.draw(st.integers(2, 40), "num_blocks")
+    # One group (full or sliding) or several: a full group and 1-3 sliding ones.
+    window = st.none() | st.integers(1, 12)
+    windows = data.draw(
+        st.tuples(window) | st.integers(1, 12).flatmap(
+            lambda w: st.integers(1, 3).map(lambda n: (None,) + (w,) * n)
+        ),
+        "windows",
+    )  # fmt: skip
     kv = KVCacheManager(
         num_blocks,
         block_size,
         enable_caching=data.draw(st.booleans(), "caching"),
-        sliding_window=data.draw(st.none() | st.integers(1, 12), "sliding_window"),
+        windows=windows,
     )
     config = SchedulerConfig(
         max_num_batched_tokens=data.draw(st.integers(1, 64), "budget"),
@@ -34,12 +42,12 @@ def test_every_request_finishes_and_invariants_hold(data: st.DataObject) -> None
     )
     sched = Scheduler(config, kv)
     rng = random.Random(data.draw(st.integers(0, 2**16), "seed"))
-    capacity = kv.num_blocks * block_size
+    capacity = kv.num_blocks * block_size // len(windows)
     pending: list[Request] = []
     for i in range(data.draw(st.integers(1, 12), "num_requests")):
         max_new = rng.randint(1, 8)
         n = rng.randint(1, max(1, min(30, capacity - max_new)))
-        if n + max_new > capacity:
+        if kv.blocks_held_at_most(n + max_new, config.max_num_batched_tokens) > kv.num_blocks:
             continue  # the engine rejects these before the scheduler sees them
         prompt = tuple(rng.randint(0, 2) for _ in range(n))  # tiny vocab: prefixes repeat
         pending.append(
@@ -82,13 +90,19 @@ def _check(sched: Scheduler, kv: KVCacheManager, config: SchedulerConfig, out: o
         req = s.request
         assert req.status is RequestStatus.RUNNING and s.num_new_tokens >= 1
         assert s.start + s.num_new_tokens <= req.num_tokens
-        # The blocks cover every token this step computes.
+        # Every group's blocks cover every token this step computes.
+        assert len(s.group_block_ids) == kv.num_groups
+        assert len({len(t) for t in s.group_block_ids}) == 1
         assert len(s.block_ids) * kv.block_size >= s.start + s.num_new_tokens
-        if kv.sliding_window is not None and kv.pool.placeholder is not None:
+        ph = kv.pool.placeholder
+        for window, table in zip(kv.windows, s.group_block_ids, strict=True):
             # Every key the step's queries read, and every slot it writes, is a real block.
-            first_read = max(0, s.start - kv.sliding_window + 1)
-            read = {s.block_ids[p // kv.block_size] for p in range(first_read, s.start + 1)}
-            written = s.block_ids[s.start // kv.block_size :]
-            assert kv.pool.placeholder.block_id not in read | set(written)
+            first_read = 0 if window is None else max(0, s.start - window + 1)
+            read = {table[p // kv.block_size] for p in range(first_read, s.start + 1)}
+            written = table[s.start // kv.block_size :]
+            assert ph is None or ph.block_id not in read | set(written)
+        # No block is in two groups' tables (each group's pages hold other layers).
+        live = [b for t in s.group_block_ids for b in t if ph is None or b != ph.block_id]
+        assert len(live) == len(set(live))
     for req in sched.waiting:
         assert req.num_computed_tokens == 0 and kv.get_block_ids(req.request_id) == []

@@ -21,6 +21,7 @@ from hotpool.worker.engine.base import (
     RequestRejected,
 )
 from hotpool.worker.engine.kv_cache_manager import KVCacheManager
+from hotpool.worker.engine.kv_groups import kv_cache_groups
 from hotpool.worker.engine.model_runner import ModelRunner
 from hotpool.worker.engine.request import Request
 from hotpool.worker.engine.scheduler import Scheduler, SchedulerConfig
@@ -68,8 +69,14 @@ class LLMEngine(Engine):
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
         dtype = model.embed.weight.dtype
+        # Layers that attend alike share a block table; a model mixing full and sliding
+        # layers (Gemma 3) gets a group per kind, so that blocks behind the window are freed
+        # from the sliding groups' tables while the full ones keep theirs (``kv_groups``).
+        self.kv_groups = groups = kv_cache_groups(
+            [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)]
+        )
         per_block = PagedKVCache.bytes_per_block(
-            cfg.num_hidden_layers, config.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype
+            groups.slots, config.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype
         )
         num_blocks = config.kv_cache_bytes // per_block
         if num_blocks < 1:
@@ -84,22 +91,26 @@ class LLMEngine(Engine):
             cfg.head_dim,
             dtype,
             device,
+            layer_slots=groups.layer_slot,
         )
-        # Where every layer slides (Mistral v0.1, Phi-3), blocks behind the window are freed
-        # as a sequence grows; a model with full-attention layers too (Gemma 3) needs them all.
         self.kv_manager = KVCacheManager(
             num_blocks,
             config.block_size,
             config.enable_prefix_caching,
             config.prefix_cache_salt,
-            sliding_window=cfg.uniform_window,
+            windows=groups.windows,
         )
         sched = SchedulerConfig(
             config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len
         )
         self.scheduler = Scheduler(sched, self.kv_manager)
         self.runner = ModelRunner(
-            model, self.kv_cache, device, config.attention_backend, config.sampler_backend
+            model,
+            self.kv_cache,
+            device,
+            config.attention_backend,
+            config.sampler_backend,
+            groups.layer_group if groups.num_groups > 1 else (),
         )
         self._arrivals = itertools.count()
         self._steps = 0
@@ -130,17 +141,15 @@ class LLMEngine(Engine):
             )
         max_new = want or self.max_model_len - n
         # A sequence must fit the whole KV budget by itself, or it would preempt itself forever.
-        capacity = self.kv_manager.num_blocks * self.config.block_size
-        need = n + max_new
-        window = self.kv_manager.sliding_window
-        if window is not None:  # it holds at most a window, a prefill chunk and 2 partial blocks
-            need = min(
-                need, window + self.config.max_num_batched_tokens + 2 * self.config.block_size
-            )
-        if need > capacity:
+        # Under a sliding window it holds at most a window, a prefill chunk and 2 partial
+        # blocks of it, in each sliding layer group.
+        kv = self.kv_manager
+        need = kv.blocks_held_at_most(n + max_new, self.config.max_num_batched_tokens)
+        if need > kv.num_blocks:
             raise RequestRejected(
-                f"the request needs up to {need} tokens of KV cache; this replica holds "
-                f"{capacity} (lower max_tokens)",
+                f"the request needs up to {need} KV cache blocks of {kv.block_size} tokens "
+                f"({n + max_new} tokens over {kv.num_groups} layer group(s)); this replica "
+                f"holds {kv.num_blocks} (lower max_tokens)",
                 CONTEXT_LENGTH_EXCEEDED,
             )
         if request.request_id in self.scheduler.requests:

@@ -42,9 +42,13 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str | None = None,
         sampler_backend: str | None = None,
+        layer_group: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.kv = kv
+        # Which layer group's block table each layer reads (``kv_groups``); () = one group.
+        self.layer_group = layer_group
+        self.num_groups = max(layer_group, default=0) + 1
         self.device = device
         self.attention = attention_kernels(kv.k[0], model.native_ops, attention_backend)
         self.sampler_backend = sampler_backend
@@ -64,22 +68,25 @@ class ModelRunner:
         ordered = decodes + prefills
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(self.num_groups)]  # per layer group
         sample_rows: list[int] = []  # flat-batch row whose logits each sampling request needs
         bs = self.kv.block_size
         for s in ordered:
             ids.extend(_tokens(s.request, s.start, s.start + s.num_new_tokens))
-            for pos in range(s.start, s.start + s.num_new_tokens):
-                positions.append(pos)
-                slots.append(s.block_ids[pos // bs] * bs + pos % bs)
+            span = range(s.start, s.start + s.num_new_tokens)
+            positions.extend(span)
+            for group_slots, table in zip(slots, s.group_block_ids, strict=True):
+                group_slots.extend(table[pos // bs] * bs + pos % bs for pos in span)
             if s.samples:
                 sample_rows.append(len(ids) - 1)
         dev = self.device
-        meta = self._metadata(decodes, prefills, torch.tensor(slots, dtype=torch.long, device=dev))
+        metas = self._metadata(
+            decodes, prefills, [torch.tensor(g, dtype=torch.long, device=dev) for g in slots]
+        )
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
-            PagedAttention(self.kv, meta, self.attention),
+            PagedAttention(self.kv, metas, self.attention, self.layer_group),
         )
         samplers = [s for s in ordered if s.samples]
         if not samplers:
@@ -130,29 +137,38 @@ class ModelRunner:
         self,
         decodes: list[ScheduledRequest],
         prefills: list[ScheduledRequest],
-        slot_mapping: torch.Tensor,
-    ) -> PagedAttentionMetadata:
+        slot_mappings: list[torch.Tensor],
+    ) -> list[PagedAttentionMetadata]:
+        """One metadata per layer group: its slots and block tables; the sequence lengths and
+        the key bias are the same for every group (their tables span the same positions)."""
         dev = self.device
+        bs = self.kv.block_size
         width = max((len(s.block_ids) for s in decodes), default=1)
-        tables = torch.tensor(
-            [list(s.block_ids) + [0] * (width - len(s.block_ids)) for s in decodes] or [[0]],
-            dtype=torch.long,
-            device=dev,
-        )[: len(decodes)]
         seq_lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.long, device=dev)
         mask = None
         if decodes and self.attention.needs_key_bias:
-            mask = decode_key_bias(seq_lens, width * self.kv.block_size)
-        spans = []
-        q_start = len(decodes)
-        for s in prefills:
-            n_blocks = -(-(s.start + s.num_new_tokens) // self.kv.block_size)
-            table = torch.tensor(s.block_ids[:n_blocks], dtype=torch.long, device=dev)
-            spans.append(PrefillSpan(q_start, s.num_new_tokens, s.start, table))
-            q_start += s.num_new_tokens
-        return PagedAttentionMetadata(
-            slot_mapping, len(decodes), tables, seq_lens, mask, tuple(spans)
-        )
+            mask = decode_key_bias(seq_lens, width * bs)
+        metas = []
+        for g, slot_mapping in enumerate(slot_mappings):
+            tables = torch.tensor(
+                [list(t) + [0] * (width - len(t)) for t in (s.group_block_ids[g] for s in decodes)]
+                or [[0]],
+                dtype=torch.long,
+                device=dev,
+            )[: len(decodes)]
+            spans = []
+            q_start = len(decodes)
+            for s in prefills:
+                n_blocks = -(-(s.start + s.num_new_tokens) // bs)
+                table = torch.tensor(s.group_block_ids[g][:n_blocks], dtype=torch.long, device=dev)
+                spans.append(PrefillSpan(q_start, s.num_new_tokens, s.start, table))
+                q_start += s.num_new_tokens
+            metas.append(
+                PagedAttentionMetadata(
+                    slot_mapping, len(decodes), tables, seq_lens, mask, tuple(spans)
+                )
+            )
+        return metas
 
     def _row(self, req: Request) -> SamplingRow:
         """The request's sampling row at this step. Its parameters, seeded generator and

@@ -22,7 +22,12 @@ class ScheduledRequest:
     request: Request
     start: int  # num_computed_tokens before this step
     num_new_tokens: int
-    block_ids: tuple[int, ...]
+    group_block_ids: tuple[tuple[int, ...], ...]  # the block table of each layer group
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """The first group's table (a one-group model's only one)."""
+        return self.group_block_ids[0]
 
     @property
     def samples(self) -> bool:
@@ -158,7 +163,7 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(
-            req, req.num_computed_tokens, num_new, tuple(self.kv.get_block_ids(req.request_id))
+            req, req.num_computed_tokens, num_new, self.kv.get_group_block_ids(req.request_id)
         )
 
     def _preempt(self, req: Request) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -158,20 +158,28 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        layer_slots: Sequence[int] | None = None,
     ) -> None:
+        """``layer_slots`` (per layer; default: layer i in slot i) lets layers of different
+        groups share a slot of every page, each group using its own pages of it (the hybrid
+        layout of ``worker.engine.kv_groups``); the cache holds ``max(slots) + 1`` slots."""
+        slots = list(range(num_layers)) if layer_slots is None else list(layer_slots)
+        if len(slots) != num_layers or min(slots, default=0) < 0:
+            raise ValueError(f"give one non-negative slot per layer, got {slots}")
+        num_slots = max(slots, default=-1) + 1
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        # One allocation for every layer's K and V, viewed per layer. On the CPU it is
+        # One allocation for every slot's K and V, viewed per layer. On the CPU it is
         # zeroed lazily, in huge pages, and faulted in by a background thread
         # (``kv_memory``): ``populated`` is set once that is over.
         self.populated = threading.Event()
         if torch.device(device).type == "cpu":
-            self.storage = kv_memory.zeros((2, num_layers, *shape), dtype)
+            self.storage = kv_memory.zeros((2, num_slots, *shape), dtype)
             self.populated = kv_memory.populate_in_background(self.storage)
         else:
-            self.storage = torch.zeros((2, num_layers, *shape), dtype=dtype, device=device)
+            self.storage = torch.zeros((2, num_slots, *shape), dtype=dtype, device=device)
             self.populated.set()
-        self.k = list(self.storage[0])
-        self.v = list(self.storage[1])
+        self.k = [self.storage[0, s] for s in slots]
+        self.v = [self.storage[1, s] for s in slots]
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -213,15 +221,24 @@ class PagedAttention(Attention):
     def __init__(
         self,
         cache: PagedKVCache,
-        meta: PagedAttentionMetadata,
+        meta: PagedAttentionMetadata | Sequence[PagedAttentionMetadata],
         kernels: AttentionKernels | None = None,
+        layer_group: Sequence[int] = (),
     ) -> None:
+        """``meta`` is one metadata per layer group (or the one of a one-group model);
+        ``layer_group`` says which each layer reads (default: group 0)."""
         self.cache = cache
-        self.meta = meta
+        self.metas = (meta,) if isinstance(meta, PagedAttentionMetadata) else tuple(meta)
+        self.layer_group = tuple(layer_group)
         self.kernels = kernels or attention_kernels(cache.k[0])
         # The decode key bias of each window this step's layers use, built on first use:
-        # one per step for a model, as the metadata's own (window None) is.
+        # one per step for a model, as the metadata's own (window None) is. Every group's
+        # tables are as wide (they span the same positions), so one per window serves all.
         self._key_bias: dict[int, torch.Tensor] = {}
+
+    @property
+    def meta(self) -> PagedAttentionMetadata:
+        return self.metas[0]
 
     def forward(
         self,
@@ -231,10 +248,11 @@ class PagedAttention(Attention):
         v: torch.Tensor,
         window: int | None = None,
     ) -> torch.Tensor:
-        m, kern = self.meta, self.kernels
+        m = self.metas[self.layer_group[layer]] if self.layer_group else self.metas[0]
+        kern = self.kernels
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         kern.write_kv(k_cache, v_cache, k, v, m.slot_mapping)
-        bias = self._decode_bias(window)
+        bias = self._decode_bias(m, window)
         tables, lens = m.decode_block_tables, m.decode_seq_lens
         if not m.prefills:
             return kern.decode(q, k_cache, v_cache, tables, lens, bias, window=window)
@@ -250,8 +268,7 @@ class PagedAttention(Attention):
             )
         return out
 
-    def _decode_bias(self, window: int | None) -> torch.Tensor | None:
-        m = self.meta
+    def _decode_bias(self, m: PagedAttentionMetadata, window: int | None) -> torch.Tensor | None:
         if window is None or m.decode_key_bias is None:
             return m.decode_key_bias
         bias = self._key_bias.get(window)
