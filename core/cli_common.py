@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
@@ -14,6 +13,7 @@ import click
 import httpx
 
 from hotpool.settings import Settings, SettingsError, load_settings
+from hotpool.snapshot_names import SnapshotNameError, resolve_snapshot
 
 if TYPE_CHECKING:
     from hotpool.billing.db import Database
@@ -27,21 +27,13 @@ def settings_or_exit() -> Settings:
         sys.exit(2)
 
 
-# A bare snapshot name: parts of letters, digits, '.', '_', '-' (none a '.' or '..': the
-# name must stay inside the local object store), separated by '/'.
-SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
-
-
 def snapshot_uri(settings: Settings, value: str) -> str:
-    """A full URI as given; a bare name means a snapshot in the local object store."""
-    if "://" in value:
-        return value
-    if not SNAPSHOT_NAME.fullmatch(value):
-        raise click.UsageError(
-            f"{value!r} is neither a snapshot name (letters, digits, '.', '_' and '-', parts "
-            "separated by '/') nor a URI such as file:///abs/path or s3://bucket/prefix"
-        )
-    return f"file://{settings.snapshots_dir / value}"
+    """A full URI as given; a bare name means a snapshot in the local object store (as the
+    API reads it too: :mod:`hotpool.snapshot_names`)."""
+    try:
+        return resolve_snapshot(value, settings.snapshots_dir)
+    except SnapshotNameError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """Validate deployment bodies: the whole spec on create, a subset of fields on update.
 
 Each field has one parser, used by both, so ``POST`` and ``PATCH`` accept exactly the same
-values and answer with the same 400 naming the field.
+values and answer with the same 400 naming the field. A bare snapshot name is resolved in the
+local object store first, as the CLI resolves it (:mod:`hotpool.snapshot_names`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hotpool.billing.deployments import (
     DeploymentSpec,
 )
 from hotpool.platform.errors import APIError, invalid, json_object
+from hotpool.snapshot_names import SnapshotNameError, is_bare_name, resolve_snapshot
 from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -38,7 +40,8 @@ MAX_INT = (1 << 31) - 1
 def _snapshot_uri(value: Any) -> str:
     if not isinstance(value, str) or not value.startswith(("file:///", "s3://")):
         raise invalid(
-            "`snapshot_uri` must be a file:///absolute/path or s3://bucket/prefix URI",
+            "`snapshot_uri` must be a file:///absolute/path or s3://bucket/prefix URI, or the "
+            "name of a snapshot in the local object store",
             "snapshot_uri",
         )
     uri = value.rstrip("/")
@@ -110,8 +113,11 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def parse_deployment(body: Any, default_idle_timeout_s: float) -> DeploymentSpec:
-    """A new deployment from a ``POST /v1/deployments`` body."""
+def parse_deployment(
+    body: Any, default_idle_timeout_s: float, snapshots_dir: Path
+) -> DeploymentSpec:
+    """A new deployment from a ``POST /v1/deployments`` body; a bare snapshot name means the
+    snapshot of that name in ``snapshots_dir``, the local object store's."""
     body = json_object(body, {"name", *PARSERS})
     name = body.get("name")
     if not isinstance(name, str) or not NAME.fullmatch(name):  # match() takes "name\n"
@@ -122,6 +128,7 @@ def parse_deployment(body: Any, default_idle_timeout_s: float) -> DeploymentSpec
         )
     if "snapshot_uri" not in body:
         raise invalid("`snapshot_uri` is required", "snapshot_uri")
+    body = _named_snapshot_resolved(body, snapshots_dir)
     values = {field: PARSERS[field](value) for field, value in body.items() if field != "name"}
     values.setdefault("idle_timeout_s", default_idle_timeout_s)
     return _spec(DeploymentSpec, {"name": name, **values})
@@ -143,9 +150,10 @@ class Update:
     canary: CanaryChange | None = None
 
 
-def parse_update(body: Any, current: DeploymentSpec) -> Update:
+def parse_update(body: Any, current: DeploymentSpec, snapshots_dir: Path) -> Update:
     """The changes of a ``PATCH`` body, checked against ``current`` as a whole (``name``
-    cannot change; ``null`` resets an optional field to the server's default).
+    cannot change; ``null`` resets an optional field to the server's default; a bare snapshot
+    name is looked up in ``snapshots_dir``, as on create).
 
     ``canary``: ``{"version": N, "percent": P}`` sends P% of requests to existing version N;
     ``{"percent": P}`` with new snapshot or engine options makes them a new canary version
@@ -153,6 +161,7 @@ def parse_update(body: Any, current: DeploymentSpec) -> Update:
     body = json_object(body, {"name", "canary", *PARSERS})
     if "name" in body and body["name"] != current.name:
         raise invalid("a deployment cannot be renamed; create a new one", "name")
+    body = _named_snapshot_resolved(body, snapshots_dir)
     changes = {f: PARSERS[f](v) for f, v in body.items() if f not in ("name", "canary")}
     canary = _canary(body["canary"], changes) if "canary" in body else None
     if not changes and canary is None:
@@ -214,6 +223,33 @@ def _spec(
         message = str(exc)
         param = next((f for f in PARSERS if message.startswith(f)), None)
         raise invalid(message, param) from None
+
+
+def _named_snapshot_resolved(body: dict[str, Any], snapshots_dir: Path) -> dict[str, Any]:
+    """``body`` with a bare ``snapshot_uri`` (``"smollm2"``) replaced by the URI of that
+    snapshot in the local object store, so the deployment stores the URI its workers fetch.
+    A name that is not there is a 400 naming the store (a URI is checked by its parser)."""
+    name = body.get("snapshot_uri")
+    if not isinstance(name, str) or not is_bare_name(name):
+        return body
+    try:
+        uri = resolve_snapshot(name, snapshots_dir)
+    except SnapshotNameError as exc:
+        raise invalid(f"`snapshot_uri` {exc}", "snapshot_uri") from None
+    try:
+        found = (Path(uri.removeprefix("file://")) / "manifest.json").is_file()
+    except OSError:  # a name too long for the file system
+        found = False
+    if not found:
+        raise invalid(
+            f"`snapshot_uri` {_shown(name)!r} names no snapshot in the local object store "
+            f"(file://{snapshots_dir}): put one there with `hotpool models pull` or "
+            "`hotpool snapshot push SRC NAME`, or give a file:///absolute/path or "
+            "s3://bucket/prefix URI",
+            "snapshot_uri",
+            code="snapshot_not_found",
+        )
+    return {**body, "snapshot_uri": uri}
 
 
 def _check_local_snapshot(uri: str) -> None:

@@ -118,7 +118,10 @@ async def _versioned(name: str, op: Awaitable[DeploymentSpec]) -> DeploymentSpec
 async def create_deployment(request: Request) -> Response:
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
-    spec = parse_deployment(await read_json(request), services.settings.default_idle_timeout_s)
+    settings = services.settings
+    spec = parse_deployment(
+        await read_json(request), settings.default_idle_timeout_s, settings.snapshots_dir
+    )
     spec = replace(spec, tenant_id=principal.tenant_id)
     _within_pool(spec.min_replicas, services)
     try:
@@ -149,7 +152,7 @@ async def update_deployment(request: Request) -> Response:
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
     current = _owned_or_404(services, request.path_params["name"], principal)
-    update = parse_update(await read_json(request), current)
+    update = parse_update(await read_json(request), current, services.settings.snapshots_dir)
     changes, canary = update.changes, update.canary
     if "min_replicas" in changes:
         _within_pool(changes["min_replicas"], services)

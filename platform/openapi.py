@@ -32,6 +32,7 @@ from hotpool.platform.prices_api import AMOUNTS
 from hotpool.platform.services import MAX_BODY_BYTES
 from hotpool.platform.usage_api import GROUPS, MAX_LIMIT, MAX_TIMESTAMP
 from hotpool.pool.replica import ReplicaState
+from hotpool.snapshot_names import SNAPSHOT_NAME
 from hotpool.worker.protocol import MAX_LOGPROBS, MAX_N
 
 JSON = "application/json"
@@ -710,9 +711,11 @@ INT = dep.MAX_INT
 DEPLOYMENT_NAME = text(dep.NAME.pattern)
 DEPLOYMENT_FIELDS: dict[str, Schema] = {
     "snapshot_uri": text(
-        "^(file:///|s3://)",
+        f"^(file:///|s3://)|^({SNAPSHOT_NAME.pattern})$",
         description="file:///absolute/path (checked now: 422 if it holds no runnable "
-        "snapshot) or s3://bucket/prefix",
+        "snapshot), s3://bucket/prefix, or the name of a snapshot in the server's local object "
+        "store (`hotpool models pull`'s and `hotpool snapshot push`'s; 400 if it is not there), "
+        "stored as its file:// URI",
     ),
     "min_replicas": integer(
         0, INT, description="At most `max_replicas` and the server's `HOTPOOL_MAX_WORKERS`."

@@ -110,8 +110,9 @@ def test_control_plane_image_installs_every_dependency_but_torch() -> None:
 
 
 def test_images_copy_every_package_folder() -> None:
-    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = set(setuptools["package-dir"].values())
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    folders = set(pyproject["tool"]["setuptools"]["package-dir"].values())
+    folders |= set(pyproject["build-system"].get("backend-path", []))  # `pip install .` needs it
     for dockerfile in (CONTROL_PLANE, WORKER):
         copied = {v.split()[0] for v in values(dockerfile, "COPY") if not v.startswith("--")}
         assert copied == folders | {"pyproject.toml"}, dockerfile.name

@@ -21,6 +21,7 @@ from hotpool.billing.keys import KeyStore
 from hotpool.billing.ledger import Ledger, UsageRecord
 from hotpool.billing.prices import PriceStore
 from hotpool.billing.scale_events import ScaleEventRecord
+from hotpool.cli_common import snapshot_uri
 from hotpool.platform.app import build_services, create_app
 from hotpool.platform.errors import APIError
 from hotpool.platform.services import Services, read_body
@@ -402,6 +403,76 @@ def test_longest_valid_name_is_accepted(client: TestClient, snapshot: Path) -> N
 def test_bad_snapshot_uri_is_400(client: TestClient, uri: Any) -> None:
     err = error_of(client.post("/v1/deployments", json={"name": "d", "snapshot_uri": uri}), 400)
     assert err["param"] == "snapshot_uri"
+
+
+def test_a_bare_snapshot_name_is_the_local_stores_on_create_and_patch(
+    client: TestClient, services: Services, snapshot: Path, tmp_path: Path
+) -> None:
+    # `snapshot` is <HOTPOOL_HOME>/objects/snapshots/tiny, where `hotpool snapshot push SRC
+    # tiny` puts it (and `hotpool models pull` its models): the CLI's `tiny`.
+    cli_uri = snapshot_uri(services.settings, "tiny")
+    assert cli_uri == f"file://{snapshot}"
+    r = client.post("/v1/deployments", json={"name": "named", "snapshot_uri": "tiny"})
+    assert r.status_code == 201, r.text
+    assert r.json()["snapshot_uri"] == cli_uri  # stored resolved: what the workers fetch
+    assert client.get("/v1/deployments/named").json()["snapshot_uri"] == cli_uri
+
+    v2 = snapshot_folder(tmp_path / "objects" / "snapshots" / "org" / "tiny-v2")
+    r = client.patch("/v1/deployments/named", json={"snapshot_uri": "org/tiny-v2"})
+    assert r.status_code == 200, r.text
+    assert (
+        r.json()["snapshot_uri"] == f"file://{v2}" == snapshot_uri(services.settings, "org/tiny-v2")
+    )
+    assert r.json()["version"] == 2
+    # The same name again is the same URI: nothing changes, no new version.
+    r = client.patch(
+        "/v1/deployments/named", json={"snapshot_uri": "org/tiny-v2", "max_replicas": 2}
+    )
+    assert r.status_code == 200 and r.json()["version"] == 2, r.text
+    versions = client.get("/v1/deployments/named/versions").json()["data"]
+    assert [v["snapshot_uri"] for v in versions] == [cli_uri, f"file://{v2}"]
+
+
+def test_a_name_not_in_the_local_store_is_400_naming_the_store(
+    client: TestClient, services: Services, snapshot: Path
+) -> None:
+    store = f"file://{services.settings.snapshots_dir}"
+    err = error_of(
+        client.post("/v1/deployments", json={"name": "d", "snapshot_uri": "smollm2-fp32"}), 400
+    )
+    assert err["param"] == "snapshot_uri" and err["code"] == "snapshot_not_found"
+    assert "'smollm2-fp32'" in err["message"] and store in err["message"]
+    assert client.get("/v1/deployments").json()["data"] == []  # nothing was created
+
+    assert deploy(client, snapshot).status_code == 201
+    err = error_of(client.patch("/v1/deployments/tiny", json={"snapshot_uri": "gone/v3"}), 400)
+    assert err["code"] == "snapshot_not_found" and store in err["message"]
+    current = client.get("/v1/deployments/tiny").json()
+    assert current["snapshot_uri"] == f"file://{snapshot}" and current["version"] == 1
+    # A folder without a manifest is no snapshot either.
+    (services.settings.snapshots_dir / "half-pushed").mkdir()
+    err = error_of(
+        client.post("/v1/deployments", json={"name": "d", "snapshot_uri": "half-pushed"}), 400
+    )
+    assert err["code"] == "snapshot_not_found"
+    # A name too long for the file system is not there either (not a 500), and cut short.
+    r = client.post("/v1/deployments", json={"name": "d", "snapshot_uri": "n" * 5000})
+    err = error_of(r, 400)
+    assert err["code"] == "snapshot_not_found" and len(err["message"]) < 700
+
+
+@pytest.mark.parametrize("value", ["../escape", "a/../../b", "with space", "tiny/", "/x" * 3000])
+def test_a_value_neither_name_nor_uri_is_400_as_in_the_cli(
+    client: TestClient, snapshot: Path, value: str
+) -> None:
+    assert deploy(client, snapshot).status_code == 201
+    for r in (
+        client.post("/v1/deployments", json={"name": "d", "snapshot_uri": value}),
+        client.patch("/v1/deployments/tiny", json={"snapshot_uri": value}),
+    ):
+        err = error_of(r, 400)
+        assert err["param"] == "snapshot_uri" and "is neither a snapshot name" in err["message"]
+        assert len(err["message"]) < 500  # a long value is cut short
 
 
 def test_missing_snapshot_is_422(client: TestClient, tmp_path: Path) -> None:

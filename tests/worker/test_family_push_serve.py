@@ -47,7 +47,8 @@ def test_pushed_hf_folder_of_each_family_serves(family: str, dtype: str, tmp_pat
     manifest, _ = push_folder(folder, uri)
     assert manifest.architecture == json.loads((folder / "config.json").read_text())["model_type"]
     # The control plane takes it as a deployment (it checks a local snapshot's model type).
-    assert parse_deployment({"name": "d", "snapshot_uri": uri}, 300.0).snapshot_uri == uri
+    spec = parse_deployment({"name": "d", "snapshot_uri": uri}, 300.0, tmp_path / "store")
+    assert spec.snapshot_uri == uri
     service = WorkerService(SnapshotCache(tmp_path / "cache"), torch.device("cpu"),
                             EngineConfig(kv_cache_bytes=8 << 20))  # fmt: skip
     with TestClient(build_worker_app(service, TOKEN, "w")) as client:
