@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 # Rows of 256 values, so that every block type (K-quants hold 256 per block) fits.
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 256, 4, 2, 64, 256, 6
+# Qwen3-MoE: 4 experts, 2 per token. HF's GGUF loader does not read the experts' width
+# (expert_feed_forward_length) and keeps Qwen3MoeConfig's 768, so the tiny files use that.
+EXPERTS, EXPERTS_USED, EXPERT_FFN = 4, 2, 768
+# Phi-3's LongRoPE: trained on 64 positions, stretched to the file's 256 (factor 4).
+LONGROPE_ORIGINAL, LONGROPE_CONTEXT = 64, 256
+# Phi-3 mini 4k: no LongRoPE, its context is its original one (HF's default, 4096).
+PHI3_CONTEXT = 4096
 Q = GGMLQuantizationType
 QUANT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # Byte offsets of the float16 scales in each block type's layout (ggml-common.h).
@@ -79,17 +87,21 @@ def write_tiny_gguf(
     quantized: bool = False,
     embedding: GGMLQuantizationType | None = None,
     head_dim: int = HEAD_DIM,
+    longrope: bool = False,
 ) -> Path:
-    """A GGUF of ``arch`` (llama, qwen2, qwen3, gemma3) with random weights and a
-    ``tokenizer`` of kind ``llama`` (SentencePiece) or ``gpt2`` (byte-level, with ``pre``).
+    """A GGUF of ``arch`` (llama, qwen2, qwen3, gemma3, phi3, qwen3moe) with random weights
+    and a ``tokenizer`` of kind ``llama`` (SentencePiece) or ``gpt2`` (byte-level, with ``pre``).
 
-    Weights are F32, or with ``quantized`` the matrices cycle through :data:`QUANT_TYPES`;
-    ``embedding`` stores the embedding as random blocks of that type. HF's GGUF loader
-    assumes Qwen3's head_dim is 128 and Gemma 3's query scale 1/sqrt(256): use those there.
+    Weights are F32, or with ``quantized`` the matrices (and the experts' stacked matrices)
+    cycle through :data:`QUANT_TYPES`; ``embedding`` stores the embedding as random blocks of
+    that type. HF's GGUF loader assumes Qwen3's head_dim is 128 and Gemma 3's query scale
+    1/sqrt(256): use those there. Phi-3 is laid out as llama.cpp's converter writes it (fused
+    ``attn_qkv``, gate and up fused in ``ffn_up``, a sliding window llama.cpp ignores), with
+    ``longrope`` its LongRoPE factors as the ``rope_factors_long/short`` tensors.
     """
     rng = np.random.default_rng(seed)
     w = GGUFWriter(path, arch)
-    gemma = arch == "gemma3"
+    gemma, phi3, moe = arch == "gemma3", arch == "phi3", arch == "qwen3moe"
     if tokenizer == "llama":
         tokens, scores, types = sentencepiece_vocab(gemma)
         w.add_tokenizer_model("llama")
@@ -98,6 +110,8 @@ def write_tiny_gguf(
         w.add_unk_token_id(unk)
         if gemma:
             w.add_pad_token_id(0)
+        if phi3:  # Phi-3 pads with its end-of-text token
+            w.add_pad_token_id(eos)
     else:
         merged = [m.replace(" ", "") for m in BL_MERGES]
         tokens = [*_byte_alphabet(), *merged, "<|endoftext|>", "<|im_end|>", "<think>"]
@@ -112,7 +126,8 @@ def write_tiny_gguf(
     w.add_eos_token_id(eos)
     w.add_add_bos_token(tokenizer == "llama")
     w.add_add_eos_token(False)
-    w.add_context_length(256)
+    context = (LONGROPE_CONTEXT if longrope else PHI3_CONTEXT) if phi3 else 256
+    w.add_context_length(context)
     w.add_embedding_length(HIDDEN)
     w.add_block_count(LAYERS)
     w.add_feed_forward_length(FFN)
@@ -120,20 +135,36 @@ def write_tiny_gguf(
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0 if arch == "llama" else 1000000.0)
-    if arch in ("llama",):
+    if arch in ("llama", "phi3"):
         w.add_rope_dimension_count(head_dim)
-    if arch in ("qwen3", "gemma3"):
+    if arch in ("qwen3", "gemma3", "qwen3moe"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if gemma:
         w.add_sliding_window(4)
+    if phi3:
+        # As llama.cpp's converter: always the original context, and the window (which
+        # llama.cpp then ignores: "Phi SWA is currently disabled").
+        w.add_rope_scaling_orig_ctx_len(LONGROPE_ORIGINAL if longrope else context)
+        w.add_sliding_window(4)
+        if longrope:
+            scale = LONGROPE_CONTEXT / LONGROPE_ORIGINAL
+            w.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(LONGROPE_ORIGINAL))
+            )
+    if moe:
+        w.add_expert_count(EXPERTS)
+        w.add_expert_used_count(EXPERTS_USED)
+        w.add_expert_feed_forward_length(EXPERT_FFN)
 
-    kinds = iter(QUANT_TYPES * LAYERS * 7)
+    kinds = iter(QUANT_TYPES * LAYERS * 10)
 
     def tensor(name: str, *shape: int, norm: bool = False) -> None:
-        if quantized and len(shape) == 2 and not name.startswith(("token_embd", "output")):
+        if quantized and len(shape) >= 2 and not name.startswith(("token_embd", "output")):
             kind = next(kinds)
-            w.add_tensor(name, random_blocks(kind, *shape, seed=seed), raw_dtype=kind)
+            rows = int(np.prod(shape[:-1]))
+            blocks = random_blocks(kind, rows, shape[-1], seed=seed)
+            w.add_tensor(name, blocks.reshape(*shape[:-1], -1), raw_dtype=kind)
             return
         values = rng.standard_normal(shape).astype(np.float32) * (0.2 if norm else 0.1)
         w.add_tensor(name, values + (1.0 if norm else 0.0))
@@ -147,22 +178,38 @@ def write_tiny_gguf(
     tensor("output_norm.weight", HIDDEN, norm=True)
     if not tied:
         tensor("output.weight", len(tokens), HIDDEN)
+    if longrope:  # one factor per rotated pair, >= 1 (the long ones stretch further)
+        pairs = np.arange(head_dim // 2, dtype=np.float32) / (head_dim // 2)
+        w.add_tensor("rope_factors_long.weight", 1.0 + 8.0 * pairs**2)
+        w.add_tensor("rope_factors_short.weight", 1.0 + 2.0 * pairs)
     for i in range(LAYERS):
         b = f"blk.{i}"
-        tensor(f"{b}.attn_q.weight", HEADS * head_dim, HIDDEN)
-        tensor(f"{b}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
-        tensor(f"{b}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
+        if phi3:
+            tensor(f"{b}.attn_qkv.weight", (HEADS + 2 * KV_HEADS) * head_dim, HIDDEN)
+        else:
+            tensor(f"{b}.attn_q.weight", HEADS * head_dim, HIDDEN)
+            tensor(f"{b}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
+            tensor(f"{b}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
         tensor(f"{b}.attn_output.weight", HIDDEN, HEADS * head_dim)
-        tensor(f"{b}.ffn_gate.weight", FFN, HIDDEN)
-        tensor(f"{b}.ffn_up.weight", FFN, HIDDEN)
-        tensor(f"{b}.ffn_down.weight", HIDDEN, FFN)
+        if moe:  # the router, then each expert's matrices stacked [experts, out, in]
+            tensor(f"{b}.ffn_gate_inp.weight", EXPERTS, HIDDEN)
+            tensor(f"{b}.ffn_gate_exps.weight", EXPERTS, EXPERT_FFN, HIDDEN)
+            tensor(f"{b}.ffn_up_exps.weight", EXPERTS, EXPERT_FFN, HIDDEN)
+            tensor(f"{b}.ffn_down_exps.weight", EXPERTS, HIDDEN, EXPERT_FFN)
+        elif phi3:  # gate and up in one matrix, gate first
+            tensor(f"{b}.ffn_up.weight", 2 * FFN, HIDDEN)
+            tensor(f"{b}.ffn_down.weight", HIDDEN, FFN)
+        else:
+            tensor(f"{b}.ffn_gate.weight", FFN, HIDDEN)
+            tensor(f"{b}.ffn_up.weight", FFN, HIDDEN)
+            tensor(f"{b}.ffn_down.weight", HIDDEN, FFN)
         tensor(f"{b}.attn_norm.weight", HIDDEN, norm=True)
         tensor(f"{b}.ffn_norm.weight", HIDDEN, norm=True)
         if arch == "qwen2":
             tensor(f"{b}.attn_q.bias", HEADS * head_dim)
             tensor(f"{b}.attn_k.bias", KV_HEADS * head_dim)
             tensor(f"{b}.attn_v.bias", KV_HEADS * head_dim)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "gemma3", "qwen3moe"):
             tensor(f"{b}.attn_q_norm.weight", head_dim, norm=True)
             tensor(f"{b}.attn_k_norm.weight", head_dim, norm=True)
         if gemma:

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from hotpool.worker.snapshot.chat_settings import ChatSettings
 from hotpool.worker.snapshot.errors import SnapshotError
 from hotpool.worker.snapshot.gguf_arch import family_of, hf_config
-from hotpool.worker.snapshot.gguf_tensors import hf_tensors, unpermute_rotary
+from hotpool.worker.snapshot.gguf_tensors import config_tensors, hf_tensors, unpermute_rotary
 from hotpool.worker.snapshot.gguf_tokenizer import build_tokenizer, tokenizer_config
 
 __all__ = ["DTYPES", "ChatSettings", "convert_gguf", "read_metadata", "unpermute_rotary"]
@@ -44,7 +44,8 @@ def convert_gguf(
     meta = read_metadata(reader)
     try:
         _, family = family_of(meta)
-        config = hf_config(meta, {t.name for t in reader.tensors}, dtype)
+        names = {t.name for t in reader.tensors}
+        config = hf_config(meta, names, dtype, config_tensors(reader, family))
         tokenizer = build_tokenizer(meta, family.sentencepiece)
         generation = _generation_config(config, meta, chat.eos_tokens)
         tensors = hf_tensors(reader, family, config, DTYPES[dtype])

@@ -9,8 +9,9 @@ some checkpoints and we follow llama.cpp, which ran the model that was quantized
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,10 +26,12 @@ _REQUIRED = object()
 @dataclass(frozen=True)
 class ArchMeta:
     """A GGUF's metadata under its architecture's prefix: ``key("block_count")`` reads
-    ``gemma3.block_count``; a missing key without a default is a :class:`SnapshotError`."""
+    ``gemma3.block_count``; a missing key without a default is a :class:`SnapshotError`.
+    ``tensors``: the values of the family's ``config_tensors`` the file holds."""
 
     meta: Meta
     arch: str
+    tensors: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     def __call__(self, name: str, default: Any = _REQUIRED) -> Any:
         full = f"{self.arch}.{name}"
@@ -48,7 +51,11 @@ class Family:
     ``permute_qk``: llama.cpp reordered q/k rows for its rotary layout (Llama only).
     ``norm_offset``: llama.cpp stores Gemma's RMSNorm weights as ``1 + w``.
     ``sentencepiece``: which HF tokenizer a SentencePiece vocabulary of this family becomes
-    (``gemma`` or ``llama``).
+    (``gemma``, ``llama`` or ``phi3``).
+    ``config_tensors``: GGUF tensors that are config values, not weights (Phi-3's LongRoPE
+    factors); ``config`` reads them from :attr:`ArchMeta.tensors`.
+    A block name holding ``{e}`` is a stack of experts ``[experts, out, in]``: one HF tensor
+    per expert.
     """
 
     hf_architecture: str
@@ -58,6 +65,7 @@ class Family:
     permute_qk: bool = False
     norm_offset: float = 0.0
     sentencepiece: str = "llama"
+    config_tensors: frozenset[str] = frozenset()
 
 
 _LLAMA_BLOCKS = {
@@ -80,6 +88,27 @@ _GEMMA3_BLOCKS = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Phi-3 as llama.cpp's converter writes it: HF's fused q/k/v and gate/up kept as they are
+# (``ffn_up`` is HF's ``gate_up_proj``, gate rows first), and nothing permuted (NeoX rotary).
+_PHI3_BLOCKS = {
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# Qwen3-MoE: Qwen3's attention; in place of the MLP a router (``ffn_gate_inp``) and each
+# expert's matrices stacked in one tensor, which HF stores per expert.
+_QWEN3MOE_BLOCKS = {
+    **{k: v for k, v in _LLAMA_BLOCKS.items() if k not in ("ffn_gate", "ffn_up", "ffn_down")},
+    **_QK_NORMS,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
 }
 # llama.cpp hard-codes Gemma 3's attention layout rather than storing it: every sixth layer
 # attends globally, and sliding layers use rope base 10000 (HF's rope_local_base_freq).
@@ -121,6 +150,76 @@ def _qwen3(key: ArchMeta) -> dict[str, Any]:
     return {**_qwen2(key), "head_dim": int(key("attention.key_length")), "attention_bias": False}
 
 
+def _qwen3moe(key: ArchMeta) -> dict[str, Any]:
+    # llama.cpp's qwen3moe routes every layer (no dense ones) and always renormalizes the
+    # top-k weights (HF's GGUF loader sets norm_topk_prob too). HF's loader keeps
+    # Qwen3MoeConfig's moe_intermediate_size (768); the file states it.
+    return {
+        **_qwen3(key),
+        "num_experts": int(key("expert_count")),
+        "num_experts_per_tok": int(key("expert_used_count")),
+        "moe_intermediate_size": int(key("expert_feed_forward_length")),
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+def _phi3(key: ArchMeta) -> dict[str, Any]:
+    # Phi3Config has no head_dim: it is hidden / heads. llama.cpp's converter writes the
+    # rotary width as rope.dimension_count (Phi-4-mini rotates 3/4 of each head).
+    head_dim = int(key("embedding_length")) // int(key("attention.head_count"))
+    if int(key("attention.key_length", head_dim)) != head_dim:
+        raise SnapshotError(f"phi3 heads of {key('attention.key_length')} != hidden / heads")
+    rotary = int(key("rope.dimension_count", head_dim))
+    original = int(key("rope.scaling.original_context_length", key("context_length")))
+    config: dict[str, Any] = {
+        "hidden_act": "silu",
+        "rope_theta": f32(key("rope.freq_base", 10000.0)),
+        "rope_scaling": _longrope(key, original, rotary),
+        "original_max_position_embeddings": original,
+        # The converter writes Phi-3's sliding window, which llama.cpp then ignores ("Phi SWA
+        # is currently disabled", llama.cpp#13676), as HF's GGUF loader does.
+        "sliding_window": None,
+    }
+    if rotary != head_dim:
+        config["partial_rotary_factor"] = rotary / head_dim
+    return config
+
+
+def _longrope(key: ArchMeta, original: int, rotary: int) -> dict[str, Any] | None:
+    """Phi-3's LongRoPE: llama.cpp's converter writes the factors as tensors, not metadata,
+    and no ``rope.scaling.type``; HF's GGUF loader drops them (plain RoPE). llama.cpp divides
+    each rotated pair's frequency by its factor, as HF's ``longrope`` does (HF takes the long
+    factors for a sequence past ``original``, llama.cpp for a context window past it), and
+    scales cos/sin by ``rope.scaling.attn_factor``."""
+    kind = key("rope.scaling.type", "none")
+    found = [name for name in _LONGROPE_FACTORS if name in key.tensors]
+    if not found and kind == "none":
+        return None
+    if kind not in ("none", "longrope") or len(found) != len(_LONGROPE_FACTORS):
+        raise SnapshotError(
+            f"phi3 rope scaling {kind!r} with factor tensors {found} is not supported "
+            "(LongRoPE needs rope_factors_long and _short)"
+        )
+    long, short = (key.tensors[name].reshape(-1) for name in _LONGROPE_FACTORS)
+    if len(long) != rotary // 2 or len(short) != rotary // 2:
+        raise SnapshotError(f"LongRoPE has {len(long)}/{len(short)} factors for {rotary} dims")
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": [f32(f) for f in long],
+        "short_factor": [f32(f) for f in short],
+    }
+    # HF derives the attention factor from the context lengths, as llama.cpp's converter
+    # did when it wrote it; a file that says otherwise is followed.
+    scale = int(key("context_length")) / original
+    derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    stored = key("rope.scaling.attn_factor", None)
+    if stored is not None and np.float32(stored) != np.float32(derived):
+        scaling["attention_factor"] = f32(stored)
+    return scaling
+
+
 def _gemma3(key: ArchMeta) -> dict[str, Any]:
     layers = int(key("block_count"))
     head_dim = int(key("attention.key_length"))
@@ -154,6 +253,15 @@ FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM", "llama", _LLAMA_BLOCKS, _llama, permute_qk=True),
     "qwen2": Family("Qwen2ForCausalLM", "qwen2", _LLAMA_BLOCKS, _qwen2),
     "qwen3": Family("Qwen3ForCausalLM", "qwen3", {**_LLAMA_BLOCKS, **_QK_NORMS}, _qwen3),
+    "qwen3moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", _QWEN3MOE_BLOCKS, _qwen3moe),
+    "phi3": Family(
+        "Phi3ForCausalLM",
+        "phi3",
+        _PHI3_BLOCKS,
+        _phi3,
+        sentencepiece="phi3",
+        config_tensors=frozenset(_LONGROPE_FACTORS),
+    ),
     "gemma3": Family(
         "Gemma3ForCausalLM",
         "gemma3_text",
@@ -173,10 +281,16 @@ def family_of(meta: Meta) -> tuple[str, Family]:
     return str(arch), FAMILIES[arch]
 
 
-def hf_config(meta: Meta, tensor_names: set[str], dtype: str) -> dict[str, Any]:
-    """The HF ``config.json`` of the GGUF model described by ``meta``."""
+def hf_config(
+    meta: Meta,
+    tensor_names: set[str],
+    dtype: str,
+    config_tensors: Mapping[str, np.ndarray] | None = None,
+) -> dict[str, Any]:
+    """The HF ``config.json`` of the GGUF model described by ``meta``; ``config_tensors``
+    holds the values of the family's :attr:`Family.config_tensors` in the file."""
     arch, family = family_of(meta)
-    key = ArchMeta(meta, arch)
+    key = ArchMeta(meta, arch, config_tensors or {})
     heads = int(key("attention.head_count"))
     if "tokenizer.ggml.tokens" not in meta:
         raise SnapshotError("GGUF metadata lacks 'tokenizer.ggml.tokens'")

@@ -1,5 +1,6 @@
 """A GGUF's tensors as HF transformers weights: dequantized, renamed, and undone where llama.cpp
-changed them on the way in (Llama's q/k row order, Gemma's ``1 + w`` norms)."""
+changed them on the way in (Llama's q/k row order, Gemma's ``1 + w`` norms, experts stacked
+into one tensor)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def hf_name(gguf_name: str, family: Family) -> str:
-    """The HF parameter name of the GGUF tensor ``gguf_name``."""
+    """The HF parameter name of the GGUF tensor ``gguf_name``; for a stack of experts, with
+    ``{e}`` where the expert's index goes."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK_RE.fullmatch(gguf_name)
@@ -73,22 +75,41 @@ def dequantized(tensor: Any) -> np.ndarray:
     return np.asarray(values, dtype=np.float32)
 
 
+def config_tensors(reader: GGUFReader, family: Family) -> dict[str, np.ndarray]:
+    """The GGUF tensors that hold config values (:attr:`Family.config_tensors`), dequantized."""
+    return {t.name: dequantized(t) for t in reader.tensors if t.name in family.config_tensors}
+
+
 def hf_tensors(
     reader: GGUFReader, family: Family, config: dict[str, Any], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of the GGUF under its HF name, in ``dtype``; no ``lm_head`` when tied."""
+    """Every weight of the GGUF under its HF name, in ``dtype``; no ``lm_head`` when tied.
+    A stack of experts ``[experts, out, in]`` becomes one ``[out, in]`` tensor per expert."""
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name in family.config_tensors:
+            continue
         name = hf_name(t.name, family)
         values = dequantized(t)
+        if "{e}" in name:
+            experts = config.get("num_experts")
+            if values.ndim != 3 or values.shape[0] != experts:
+                raise SnapshotError(f"{t.name}: shape {values.shape} is not {experts} experts")
+            for e, expert in enumerate(values):
+                tensors[name.format(e=e)] = _torch(expert, dtype)
+            continue
         if family.permute_qk and ".attn_q." in t.name:
             values = unpermute_rotary(values, config["num_attention_heads"])
         elif family.permute_qk and ".attn_k." in t.name:
             values = unpermute_rotary(values, config["num_key_value_heads"])
         if family.norm_offset and "norm.weight" in t.name:
             values = values - np.float32(family.norm_offset)
-        # A copy: F32 tensors are read-only views of the memory-mapped file.
-        tensors[name] = torch.from_numpy(np.array(values, dtype=np.float32, order="C")).to(dtype)
+        tensors[name] = _torch(values, dtype)
     if config["tie_word_embeddings"]:
         tensors.pop("lm_head.weight", None)
     return tensors
+
+
+def _torch(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    # A copy: F32 tensors are read-only views of the memory-mapped file.
+    return torch.from_numpy(np.array(values, dtype=np.float32, order="C")).to(dtype)

@@ -56,13 +56,15 @@ _BYTE_ALPHABET = _byte_alphabet()
 
 
 def build_tokenizer(meta: Meta, sentencepiece: str) -> Tokenizer:
-    """The tokenizer the GGUF describes; ``sentencepiece`` (``gemma`` or ``llama``) says which
-    HF tokenizer a SentencePiece vocabulary of this model family is."""
+    """The tokenizer the GGUF describes; ``sentencepiece`` (``gemma``, ``llama`` or ``phi3``)
+    says which HF tokenizer a SentencePiece vocabulary of this model family is."""
     kind = meta.get("tokenizer.ggml.model")
     if kind == "gpt2":
         tok = _byte_level(meta)
     elif kind == "llama" and sentencepiece == "gemma":
         tok = _gemma(meta)
+    elif kind == "llama" and sentencepiece == "phi3":
+        tok = _phi3(meta)
     elif kind == "llama":
         tok = _llama(meta)
     else:
@@ -177,6 +179,21 @@ def _llama(meta: Meta) -> Tokenizer:
     if prefix:
         steps.append(decoders.Strip(content=" ", left=1))
     tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def _phi3(meta: Meta) -> Tokenizer:
+    """Phi-3's own ``tokenizer.json`` (and HF's GGUF loader for phi3): Llama's, but the ``▁``
+    is prepended by a normalizer, even to text that starts with a space (``"  hi"`` is
+    ``▁▁▁hi``, as llama.cpp's SentencePiece tokenizer has it), with no pre-tokenizer."""
+    tok = _llama(meta)
+    if bool(meta.get("tokenizer.ggml.add_space_prefix", True)):
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)]
+        )
+    else:
+        tok.normalizer = normalizers.Replace(" ", _SPACE)
+    tok.pre_tokenizer = None
     return tok
 
 
