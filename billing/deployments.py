@@ -16,6 +16,7 @@ from hotpool.billing.db import Database
 from hotpool.billing.models import (
     DEFAULT_TENANT_ID,
     DTYPES,
+    QUANTIZATIONS,
     Deployment,
     DeploymentVersion,
     utcnow,
@@ -29,7 +30,7 @@ MIN_KV_CACHE_BYTES = 1 << 20
 # the worker's allocation overflow instead of a clear refusal.
 MAX_KV_CACHE_BYTES = 1 << 44
 # What a replica loads: a change to any of these needs new replicas (a new generation).
-REPLICA_FIELDS = ("snapshot_uri", "dtype", "max_model_len", "kv_cache_bytes")
+REPLICA_FIELDS = ("snapshot_uri", "dtype", "quantization", "max_model_len", "kv_cache_bytes")
 # Fields the store owns or that identify the deployment: update() cannot change them.
 FIXED_FIELDS = frozenset(
     {"name", "tenant_id", "created_at", "generation", "canary_version", "canary_percent",
@@ -73,7 +74,9 @@ class DeploymentSpec:
     The optional settings are None for "the default": the server's for ``max_queue``
     (requests that may wait for a replica), ``queue_timeout_s`` and ``kv_cache_bytes`` (the
     KV cache budget of each replica); the snapshot's for ``dtype`` and ``max_model_len``
-    (the context length cap).
+    (the context length cap). ``quantization`` is how replicas hold the linear weights:
+    ``none`` (in the activation dtype), ``int8`` (per-channel weight-only int8, made at
+    load) or ``gguf`` (the GGUF blocks a snapshot converted from a GGUF keeps).
 
     ``created_at`` and ``generation`` are set by the store and ignored when a spec is
     written. ``generation`` is the number of the *stable* version: every change of what
@@ -94,6 +97,7 @@ class DeploymentSpec:
     max_queue: int | None = None
     queue_timeout_s: float | None = None
     dtype: str | None = None
+    quantization: str = "none"
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
     generation: int = 1
@@ -150,6 +154,10 @@ class DeploymentSpec:
             raise ValueError(
                 f"dtype must be one of {', '.join(DTYPES)} or None, got {self.dtype!r}"
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if not _int_at_least(self.generation, 1):
             raise ValueError(f"generation must be an integer >= 1, got {self.generation!r}")
         if (self.canary_version is None) != (self.canary_percent is None):
@@ -169,6 +177,7 @@ class DeploymentSpec:
             self,
             snapshot_uri=v.snapshot_uri,
             dtype=v.dtype,
+            quantization=v.quantization,
             max_model_len=v.max_model_len,
             kv_cache_bytes=v.kv_cache_bytes,
             generation=v.version,
@@ -191,7 +200,8 @@ def check_percent(percent: object) -> float:
 
 def runs_differently(old: DeploymentSpec, new: DeploymentSpec) -> bool:
     """True when replicas loaded for ``old`` cannot serve ``new`` (its snapshot, dtype,
-    context length or KV cache budget differ); scaling and queueing settings do not count."""
+    quantization, context length or KV cache budget differ); scaling and queueing settings
+    do not count."""
     return any(getattr(old, name) != getattr(new, name) for name in REPLICA_FIELDS)
 
 
@@ -457,6 +467,7 @@ def _version_row(
         version=version,
         snapshot_uri=source.snapshot_uri,
         dtype=source.dtype,
+        quantization=source.quantization,
         max_model_len=source.max_model_len,
         kv_cache_bytes=source.kv_cache_bytes,
         created_by=created_by,
@@ -482,6 +493,7 @@ def _values(spec: DeploymentSpec) -> dict[str, Any]:
         "max_queue": spec.max_queue,
         "queue_timeout_s": None if timeout is None else float(timeout),
         "dtype": spec.dtype,
+        "quantization": spec.quantization,
         "max_model_len": spec.max_model_len,
         "kv_cache_bytes": spec.kv_cache_bytes,
     }
@@ -500,6 +512,7 @@ def _spec(row: Deployment) -> DeploymentSpec:
         max_queue=row.max_queue,
         queue_timeout_s=row.queue_timeout_s,
         dtype=row.dtype,
+        quantization=row.quantization,
         max_model_len=row.max_model_len,
         kv_cache_bytes=row.kv_cache_bytes,
         generation=row.generation,

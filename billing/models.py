@@ -40,6 +40,9 @@ NAMING_CONVENTION = {
 
 STATUSES = ("completed", "partial", "error", "cancelled")
 DTYPES = ("bf16", "fp16", "fp32")
+# How a deployment's replicas hold their linear weights: in the activation dtype ("none"),
+# int8 per output channel made at load ("int8"), or the GGUF's own blocks as kept ("gguf").
+QUANTIZATIONS = ("none", "int8", "gguf")
 DEFAULT_TENANT_ID = 1
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; BIGINT would need explicit ids.
@@ -128,6 +131,7 @@ class Deployment(Base):
         CheckConstraint("max_queue >= 1", name="max_queue_positive"),
         CheckConstraint("queue_timeout_s > 0", name="queue_timeout_positive"),
         CheckConstraint("dtype IN ('bf16', 'fp16', 'fp32')", name="dtype_valid"),
+        CheckConstraint("quantization IN ('none', 'int8', 'gguf')", name="quantization_valid"),
         CheckConstraint("max_model_len >= 16", name="max_model_len_min"),
         CheckConstraint("kv_cache_bytes >= 1048576", name="kv_cache_bytes_min"),
         CheckConstraint("generation >= 1", name="generation_positive"),
@@ -147,6 +151,7 @@ class Deployment(Base):
     max_queue: Mapped[int | None] = mapped_column(Integer)
     queue_timeout_s: Mapped[float | None] = mapped_column(Float)
     dtype: Mapped[str | None] = mapped_column(String(8))
+    quantization: Mapped[str] = mapped_column(String(8), default="none", server_default="none")
     max_model_len: Mapped[int | None] = mapped_column(Integer)
     kv_cache_bytes: Mapped[int | None] = mapped_column(BigInteger)
     generation: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
@@ -176,6 +181,7 @@ class DeploymentVersion(Base):
     version: Mapped[int] = mapped_column(Integer)
     snapshot_uri: Mapped[str] = mapped_column(Text)
     dtype: Mapped[str | None] = mapped_column(String(8))
+    quantization: Mapped[str] = mapped_column(String(8), default="none", server_default="none")
     max_model_len: Mapped[int | None] = mapped_column(Integer)
     kv_cache_bytes: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -20,6 +20,7 @@ class VersionRecord:
     version: int
     snapshot_uri: str
     dtype: str | None = None
+    quantization: str = "none"
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
     created_at: datetime | None = None
@@ -37,6 +38,7 @@ def version_record(deployment: str, row: DeploymentVersion) -> VersionRecord:
         version=row.version,
         snapshot_uri=row.snapshot_uri,
         dtype=row.dtype,
+        quantization=row.quantization,
         max_model_len=row.max_model_len,
         kv_cache_bytes=row.kv_cache_bytes,
         created_at=row.created_at,

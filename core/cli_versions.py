@@ -47,7 +47,8 @@ def _act(name: str, action: str, url: str | None) -> None:
 @click.argument("name")
 @URL_OPTION
 def versions(name: str, url: str | None) -> None:
-    """List deployment NAME's versions: role, traffic share, snapshot, who and when."""
+    """List deployment NAME's versions: role, traffic share, snapshot, quantization, who and
+    when."""
     out = call_api("GET", f"{api_url(url)}/v1/deployments/{name}/versions")
     rows = [
         [
@@ -55,12 +56,13 @@ def versions(name: str, url: str | None) -> None:
             v["role"] or "",
             f"{v['traffic_percent']:g}%" if v["traffic_percent"] is not None else "",
             v["snapshot_uri"],
+            v["engine"]["quantization"],
             v["created_by"] or "",
             _when(v["created_at"]),
         ]
         for v in out["data"]
     ]
-    print_table(["version", "role", "traffic", "snapshot", "by", "created"], rows)
+    print_table(["version", "role", "traffic", "snapshot", "quantization", "by", "created"], rows)
 
 
 def _when(unix: int | None) -> str:

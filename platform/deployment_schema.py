@@ -20,6 +20,7 @@ from hotpool.billing.deployments import (
     REPLICA_FIELDS,
     DeploymentSpec,
 )
+from hotpool.billing.models import QUANTIZATIONS
 from hotpool.platform.errors import APIError, invalid, json_object
 from hotpool.snapshot_names import SnapshotNameError, is_bare_name, resolve_snapshot
 from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES
@@ -96,6 +97,18 @@ def _dtype(value: Any) -> str | None:
     raise invalid(f"`dtype` must be one of {', '.join(DTYPES)} (or null: the snapshot's)", "dtype")
 
 
+def _quantization(value: Any) -> str:
+    if value is None:  # null resets it to the default, as for the other options
+        return "none"
+    if value in QUANTIZATIONS:
+        return value  # type: ignore[no-any-return]
+    raise invalid(
+        f"`quantization` must be one of {', '.join(QUANTIZATIONS)} (none: weights in the "
+        "activation dtype; int8: weight-only int8 made at load; gguf: the snapshot's GGUF blocks)",
+        "quantization",
+    )
+
+
 # Every field a user may set, with its parser; `name` is set once, on create.
 PARSERS: dict[str, Callable[[Any], Any]] = {
     "snapshot_uri": _snapshot_uri,
@@ -106,6 +119,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_queue": _int("max_queue", 1, nullable=True),
     "queue_timeout_s": _seconds("queue_timeout_s", MAX_QUEUE_TIMEOUT_S, nullable=True),
     "dtype": _dtype,
+    "quantization": _quantization,
     "max_model_len": _int("max_model_len", 16, nullable=True),
     "kv_cache_bytes": _int(
         "kv_cache_bytes", MIN_KV_CACHE_BYTES, nullable=True, maximum=MAX_KV_CACHE_BYTES
@@ -131,7 +145,9 @@ def parse_deployment(
     body = _named_snapshot_resolved(body, snapshots_dir)
     values = {field: PARSERS[field](value) for field, value in body.items() if field != "name"}
     values.setdefault("idle_timeout_s", default_idle_timeout_s)
-    return _spec(DeploymentSpec, {"name": name, **values})
+    spec = _spec(DeploymentSpec, {"name": name, **values})
+    _check_gguf_blocks(spec)
+    return spec
 
 
 @dataclass(frozen=True)
@@ -167,7 +183,9 @@ def parse_update(body: Any, current: DeploymentSpec, snapshots_dir: Path) -> Upd
     if not changes and canary is None:
         settable = ", ".join(sorted([*PARSERS, "canary"]))
         raise invalid(f"nothing to change; settable fields: {settable}")
-    _spec(lambda **kw: replace(current, **kw), changes, current)
+    new = _spec(lambda **kw: replace(current, **kw), changes, current)
+    if {"snapshot_uri", "quantization"} & set(changes):
+        _check_gguf_blocks(new)
     return Update(changes, canary)
 
 
@@ -252,10 +270,10 @@ def _named_snapshot_resolved(body: dict[str, Any], snapshots_dir: Path) -> dict[
     return {**body, "snapshot_uri": uri}
 
 
-def _check_local_snapshot(uri: str) -> None:
+def _check_local_snapshot(uri: str) -> dict[str, Any]:
     """A local snapshot is checked now (an s3:// one when its first replica loads it): it
-    must exist, have a manifest, and hold a model type the workers run. (The worker verifies
-    the manifest in full when it loads the snapshot.)"""
+    must exist, have a manifest, and hold a model type the workers run; its manifest is
+    returned. (The worker verifies the manifest in full when it loads the snapshot.)"""
     path = Path(uri.removeprefix("file://")) / "manifest.json"
     try:
         found = path.is_file()
@@ -268,7 +286,8 @@ def _check_local_snapshot(uri: str) -> None:
             422, f"no snapshot at {_shown(uri)} (manifest.json not found)", param="snapshot_uri"
         )
     try:
-        architecture = json.loads(path.read_text())["architecture"]
+        manifest = json.loads(path.read_text())
+        architecture = manifest["architecture"]
     except (OSError, ValueError, KeyError, TypeError):
         raise APIError(
             422, f"snapshot at {uri} has an unreadable manifest.json", param="snapshot_uri"
@@ -279,6 +298,23 @@ def _check_local_snapshot(uri: str) -> None:
             f"snapshot at {uri} holds a {architecture!r} model; hotpool runs "
             f"{', '.join(RUNNABLE_MODEL_TYPES)}",
             param="snapshot_uri",
+        )
+    return manifest  # type: ignore[no-any-return]
+
+
+def _check_gguf_blocks(spec: DeploymentSpec) -> None:
+    """``quantization: gguf`` serves the GGUF blocks a snapshot keeps (its manifest lists their
+    types under ``quantized``): a local snapshot without them is refused now. An s3:// one is
+    not read here; its first load fails with the same reason."""
+    if spec.quantization != "gguf" or not spec.snapshot_uri.startswith("file://"):
+        return
+    quantized = _check_local_snapshot(spec.snapshot_uri).get("quantized")
+    if not isinstance(quantized, list) or not quantized:
+        raise invalid(
+            f"snapshot {_shown(spec.snapshot_uri)} keeps no GGUF blocks (its manifest lists no "
+            "`quantized` block types), which `quantization: gguf` serves: convert it from a "
+            "GGUF keeping them (`hotpool models pull --gguf-blocks`), or use int8 or none",
+            "quantization",
         )
 
 

@@ -1,8 +1,8 @@
 """``/v1/deployments``: create, list, inspect, update and delete deployments, and their
 versions.
 
-An update that changes what replicas run (snapshot, dtype, context length, KV budget)
-creates a new version. By default it is rolled out at once: the autoscaler brings up new
+An update that changes what replicas run (snapshot, dtype, quantization, context length, KV
+budget) creates a new version. By default it is rolled out at once: the autoscaler brings up new
 replicas and drains the old ones once one is ready, so no request is dropped. With
 ``canary`` it takes only a share of the requests, next to the stable version, until
 ``promote`` makes it stable or ``rollback`` returns all traffic to the stable version. A
@@ -67,6 +67,7 @@ def deployment_json(spec: DeploymentSpec, services: Services) -> dict[str, Any]:
         },
         "engine": {
             "dtype": spec.dtype,  # null: the snapshot's own
+            "quantization": spec.quantization,
             "max_model_len": spec.max_model_len,  # null: the model's own
             "kv_cache_bytes": spec.kv_cache_bytes or settings.kv_cache_bytes,
         },
@@ -226,6 +227,7 @@ def _version_json(v: VersionRecord, spec: DeploymentSpec) -> dict[str, Any]:
         "snapshot_uri": v.snapshot_uri,
         "engine": {
             "dtype": v.dtype,
+            "quantization": v.quantization,
             "max_model_len": v.max_model_len,
             "kv_cache_bytes": v.kv_cache_bytes,
         },

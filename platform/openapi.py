@@ -20,7 +20,7 @@ from hotpool.billing.deployments import (
     MIN_MAX_MODEL_LEN,
 )
 from hotpool.billing.keys import KEY_NAME_MAX_LEN, SCOPES
-from hotpool.billing.models import STATUSES
+from hotpool.billing.models import QUANTIZATIONS, STATUSES
 from hotpool.billing.prices import DEFAULT_CURRENCY, DEPLOYMENT_MAX_LEN, MAX_PRICE_MICROS
 from hotpool.billing.tenants import TENANT_NAME_MAX_LEN
 from hotpool.billing.usage import BUCKET_WIDTHS
@@ -410,6 +410,7 @@ COMPONENTS: dict[str, Schema] = {
             "engine": every(
                 {
                     "dtype": null(strings(*dep.DTYPES)),
+                    "quantization": strings(*QUANTIZATIONS),
                     "max_model_len": null(integer(MIN_MAX_MODEL_LEN)),
                     "kv_cache_bytes": integer(1),
                 }
@@ -434,6 +435,7 @@ COMPONENTS: dict[str, Schema] = {
             "engine": every(
                 {
                     "dtype": null(strings(*dep.DTYPES)),
+                    "quantization": strings(*QUANTIZATIONS),
                     "max_model_len": null(integer(1)),
                     "kv_cache_bytes": null(integer(1)),
                 }
@@ -726,6 +728,12 @@ DEPLOYMENT_FIELDS: dict[str, Schema] = {
     "max_queue": null(integer(1, INT)),
     "queue_timeout_s": null(number(0, dep.MAX_QUEUE_TIMEOUT_S, open_lo=True)),
     "dtype": {"enum": [*dep.DTYPES, None], "description": "null: the snapshot's own"},
+    "quantization": {
+        "enum": [*QUANTIZATIONS, None],
+        "description": "How replicas hold the linear weights: `none` (default, null too) in "
+        "the activation dtype; `int8` per-channel weight-only int8 made at load; `gguf` the "
+        "GGUF blocks the snapshot keeps as they are (400 for a local snapshot that keeps none).",
+    },
     "max_model_len": null(integer(MIN_MAX_MODEL_LEN, INT)),
     "kv_cache_bytes": null(integer(MIN_KV_CACHE_BYTES, MAX_KV_CACHE_BYTES)),
 }
@@ -966,9 +974,10 @@ PATHS: dict[str, dict[str, Schema]] = {
             (404, 409, 422),
             UPDATE_DEPLOYMENT,
             (NAME,),
-            "Changing what replicas run (snapshot, dtype, context length, KV budget) makes a "
-            "new version. Without `canary` it is rolled out: old replicas drain once a new one "
-            "is ready. With `canary` it takes a share of the requests beside the stable one.",
+            "Changing what replicas run (snapshot, dtype, quantization, context length, KV "
+            "budget) makes a new version. Without `canary` it is rolled out: old replicas drain "
+            "once a new one is ready. With `canary` it takes a share of the requests beside the "
+            "stable one.",
         ),
         "delete": op(
             "delete deployment",

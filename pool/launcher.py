@@ -76,7 +76,12 @@ class WorkerLauncher:
 
     async def load(self, worker: WorkerInfo, spec: DeploymentSpec) -> LoadResult:
         body = LoadRequest(
-            spec.name, spec.snapshot_uri, spec.dtype, spec.max_model_len, spec.kv_cache_bytes
+            spec.name,
+            spec.snapshot_uri,
+            spec.dtype,
+            spec.max_model_len,
+            spec.kv_cache_bytes,
+            quantization=spec.quantization,
         ).to_json()
         r = await self.client.post(
             f"{worker.address}/load", json=body, timeout=self.start_timeout_s

@@ -22,6 +22,7 @@ from s3_bucket import S3Bucket
 
 from hotpool.worker.snapshot import gguf as gguf_convert
 from hotpool.worker.snapshot import pull
+from hotpool.worker.snapshot.gguf_blocks import block_kinds
 from hotpool.worker.snapshot.manifest import MANIFEST_NAME, build_manifest, write_manifest
 from hotpool.worker.snapshot.model_catalog import catalog_model
 
@@ -59,21 +60,25 @@ def _converter_version() -> str:
     return digest.hexdigest()[:12]
 
 
-def _converted(model: str, gguf_path: Path, cache_dir: Path, dtype: str) -> Path:
+def _converted(
+    model: str, gguf_path: Path, cache_dir: Path, dtype: str, keep_blocks: bool = False
+) -> Path:
     """Catalog ``model`` converted to a snapshot folder (with manifest), reused while the
     converter is unchanged: the folder name carries :func:`_converter_version`."""
     parent = cache_dir / "snapshots"
-    folder = parent / f"{model}-{dtype}-{_converter_version()}"
+    kind = f"{dtype}-blocks" if keep_blocks else dtype
+    folder = parent / f"{model}-{kind}-{_converter_version()}"
     if (folder / MANIFEST_NAME).is_file():
         return folder
     parent.mkdir(parents=True, exist_ok=True)
-    for stale in parent.glob(f"{model}-{dtype}-*"):
+    for stale in parent.glob(f"{model}-{kind}-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = parent / f".tmp-{folder.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    gguf_convert.convert_gguf(gguf_path, tmp, dtype, catalog_model(model).chat)
+    gguf_convert.convert_gguf(gguf_path, tmp, dtype, catalog_model(model).chat, keep_blocks)
     architecture = json.loads((tmp / "config.json").read_text())["model_type"]
-    write_manifest(tmp, build_manifest(tmp, architecture=architecture, dtype=dtype))
+    quantized = tuple(sorted(set(block_kinds(tmp).values())))
+    write_manifest(tmp, build_manifest(tmp, architecture, dtype, quantized))
     os.rename(tmp, folder)
     return folder
 
@@ -82,6 +87,12 @@ def _converted(model: str, gguf_path: Path, cache_dir: Path, dtype: str) -> Path
 def smollm2_snapshot_fp32(smollm2_gguf: Path, test_cache_dir: Path) -> Path:
     """SmolLM2 converted to an fp32 snapshot folder; exact parity with HF's GGUF loader."""
     return _converted("smollm2", smollm2_gguf, test_cache_dir, "fp32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_snapshot_blocks(smollm2_gguf: Path, test_cache_dir: Path) -> Path:
+    """SmolLM2 as an fp32 snapshot that keeps the GGUF's Q4_1/Q8_0 blocks too."""
+    return _converted("smollm2", smollm2_gguf, test_cache_dir, "fp32", keep_blocks=True)
 
 
 @pytest.fixture(scope="session")

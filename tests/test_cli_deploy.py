@@ -63,3 +63,35 @@ def test_a_name_in_no_store_is_refused_by_both(run: CliRunner, home: Path, serve
     assert r.status_code == 400, r.text
     assert f"file://{home / 'objects' / 'snapshots'}" in r.json()["error"]["message"]
     assert httpx.get(f"{server}/v1/deployments").json()["data"] == []
+
+
+def test_quantization_is_set_shown_and_listed_per_version(
+    run: CliRunner, home: Path, server: str
+) -> None:
+    tiny = snapshot_folder(home / "objects" / "snapshots" / "tiny")
+    result = invoke(run, "deploy", "q", "--snapshot", "tiny", "--quantization", "int8",
+                    "--url", server)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"deployed q from file://{tiny} (int8 quantization)"
+    engine = httpx.get(f"{server}/v1/deployments/q").json()["engine"]
+    assert engine["quantization"] == "int8"
+    # Without the flag it stays; with another value it is a new version.
+    again = invoke(run, "deploy", "q", "--snapshot", "tiny", "--url", server)
+    assert "q already serves" in again.output and "(int8 quantization) (version 1)" in again.output
+    back = invoke(run, "deploy", "q", "--snapshot", "tiny", "--quantization", "none",
+                  "--url", server)  # fmt: skip
+    assert back.output.strip() == f"rolled out version 2 of q from file://{tiny}"
+    listed = invoke(run, "versions", "q", "--url", server)
+    assert listed.exit_code == 0, listed.output
+    header, v1, v2 = listed.output.splitlines()[:3]
+    assert "quantization" in header.split()
+    assert v1.split()[:2] == ["1", "previous"] and "int8" in v1.split()
+    assert v2.split()[:2] == ["2", "stable"] and "none" in v2.split()
+
+    # The server's 400 reaches the user: this snapshot keeps no GGUF blocks.
+    gguf = invoke(run, "deploy", "q", "--snapshot", "tiny", "--quantization", "gguf",
+                  "--url", server)  # fmt: skip
+    assert gguf.exit_code == 1
+    assert "keeps no GGUF blocks" in gguf.stderr, gguf.stderr
+    bad = invoke(run, "deploy", "q", "--snapshot", "tiny", "--quantization", "int4")
+    assert bad.exit_code == 2 and "'int4' is not one of 'none', 'int8', 'gguf'" in bad.stderr

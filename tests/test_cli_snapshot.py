@@ -143,7 +143,9 @@ def test_push_a_gguf_converts_it_with_the_chosen_dtype(
 ) -> None:
     asked = []
 
-    def fake_convert(gguf_path: Path, out_dir: Path, dtype: str, chat: object = None) -> None:
+    def fake_convert(
+        gguf_path: Path, out_dir: Path, dtype: str, chat: object = None, keep_blocks: bool = False
+    ) -> None:
         asked.append((gguf_path.name, dtype))
         out_dir.rmdir()
         make_hf_folder(out_dir, torch.float16)

@@ -22,7 +22,10 @@ from hotpool.worker.tokenizer import TextTokenizer
 @dataclass(frozen=True)
 class HostKey:
     digest: str  # the snapshot's manifest digest
-    dtype: str  # what it was loaded as: one snapshot may be loaded in several dtypes
+    # What it was loaded as: one snapshot may be loaded in several dtypes and quantizations,
+    # and a model held in one must never serve another.
+    dtype: str
+    quantization: str = "none"
 
 
 @dataclass

@@ -291,6 +291,7 @@ class LoadRequest:
     dtype: str | None = None  # None: the snapshot's own dtype
     max_model_len: int | None = None  # None: the worker's setting (default: the model's)
     kv_cache_bytes: int | None = None  # None: the worker's HOTPOOL_KV_CACHE_BYTES
+    quantization: str = "none"  # none, int8 (made at load) or gguf (the snapshot's blocks)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -137,7 +137,7 @@ class WorkerService:
         t0 = time.perf_counter()
         dtype = DTYPES[req.dtype] if req.dtype else default_dtype(self.device)
         manifest = self.cache.manifest(req.snapshot_uri)  # one small read: is it still current?
-        key = HostKey(manifest.digest, str(dtype).removeprefix("torch."))
+        key = HostKey(manifest.digest, str(dtype).removeprefix("torch."), req.quantization)
         held = self.host_cache.take(key, self.device)
         t1 = time.perf_counter()
         pinned = held is None
@@ -151,7 +151,7 @@ class WorkerService:
             t1 = time.perf_counter()
         try:
             if held is None:
-                model = load_model(snap.path, self.device, dtype)
+                model = load_model(snap.path, self.device, dtype, quantization=req.quantization)
                 tokenizer = TextTokenizer(snap.path)
                 tier = "disk" if snap.cache_hit else "remote"
                 phases = {"fetch": t1 - t0, "load": time.perf_counter() - t1}

@@ -129,6 +129,8 @@ def test_delete_of_unknown_name_raises_not_found(db: Database) -> None:
         ({"queue_timeout_s": "5"}, "queue_timeout_s must be a finite number > 0"),
         ({"dtype": "int8"}, "dtype must be one of bf16, fp16, fp32 or None"),
         ({"dtype": "BF16"}, "dtype must be one of bf16, fp16, fp32 or None"),
+        ({"quantization": "int4"}, "quantization must be one of none, int8, gguf, got 'int4'"),
+        ({"quantization": None}, "quantization must be one of none, int8, gguf"),
         ({"max_model_len": 15}, "max_model_len must be an integer >= 16 or None"),
         ({"max_model_len": 2048.0}, "max_model_len must be an integer >= 16 or None"),
         ({"kv_cache_bytes": MiB - 1}, "kv_cache_bytes must be an integer >= 1048576 or None"),
@@ -155,6 +157,7 @@ def test_new_settings_default_to_none_and_generation_one(db: Database) -> None:
         created.max_model_len,
         created.kv_cache_bytes,
     ) == (None, None, None, None, None)
+    assert created.quantization == "none"  # weights in the activation dtype
     assert created.generation == 1
     assert DeploymentStore(db).get("smollm2") == created
 
@@ -171,6 +174,7 @@ def test_every_field_round_trips(db: Database) -> None:
         max_queue=64,
         queue_timeout_s=2.5,
         dtype="fp16",
+        quantization="int8",
         max_model_len=4096,
         kv_cache_bytes=80 << 30,  # beyond a 32-bit integer
     )
@@ -198,6 +202,8 @@ def test_runs_differently_only_for_what_replicas_load() -> None:
     for loading in (
         {"snapshot_uri": "s3://b/v2"},
         {"dtype": "bf16"},
+        {"quantization": "int8"},
+        {"quantization": "gguf"},
         {"max_model_len": 512},
         {"kv_cache_bytes": 8 * MiB},
     ):
@@ -240,6 +246,7 @@ def test_update_of_scaling_and_queue_settings_keeps_the_generation(db: Database)
         {"snapshot_uri": "s3://bucket/v2"},
         {"dtype": "fp32"},
         {"dtype": None},  # back to the snapshot's own
+        {"quantization": "int8"},
         {"max_model_len": 1024},
         {"kv_cache_bytes": 512 * MiB},
         {"max_replicas": 2, "max_model_len": 16},  # one bump for the whole update
@@ -284,6 +291,7 @@ def test_update_of_a_field_it_cannot_change_raises_type_error(
         ({"min_replicas": 5}, "max_replicas must be >= 1 and >= min_replicas"),
         ({"max_replicas": 1, "min_replicas": 2}, "max_replicas must be >= 1 and >= min_replicas"),
         ({"dtype": "int4", "max_replicas": 8}, "dtype must be one of"),
+        ({"quantization": "fp8", "max_replicas": 8}, "quantization must be one of"),
         ({"snapshot_uri": ""}, "snapshot_uri must not be empty"),
     ],
 )

@@ -28,7 +28,7 @@ LEDGER_TABLES = {
     "usage_rollups_hourly",
     "deployment_versions",
 }
-HEAD = "0008"
+HEAD = "0009"
 
 
 def _tables(db: Database) -> set[str]:
@@ -294,6 +294,45 @@ def test_migration_0008_makes_each_deployment_its_stable_version(empty_db: Datab
     assert empty_db.current_revision() == HEAD
 
 
+def test_migration_0009_gives_deployments_and_versions_no_quantization(
+    empty_db: Database,
+) -> None:
+    empty_db.upgrade("0008")
+    with empty_db.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO deployments (name, tenant_id, snapshot_uri, min_replicas, max_replicas,"
+            " target_concurrency, idle_timeout_s, created_at, updated_at, generation, dtype)"
+            " VALUES ('chat', 1, 'file:///s', 0, 1, 8, 300, '2025-01-01 00:00:00',"
+            " '2025-01-02 00:00:00', 1, 'fp16')"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO deployment_versions (deployment_id, version, snapshot_uri, dtype,"
+            " created_at) SELECT id, 1, snapshot_uri, dtype, updated_at FROM deployments"
+        )
+    empty_db.upgrade()
+    store = DeploymentStore(empty_db)
+    chat = store.get("chat")
+    assert chat is not None and (chat.quantization, chat.dtype) == ("none", "fp16")
+    [v1] = store.versions("chat")
+    assert v1.quantization == "none"
+    assert "ck_deployments_quantization_valid" in {
+        ck["name"] for ck in inspect(empty_db.engine).get_check_constraints("deployments")
+    }
+    store.update("chat", quantization="gguf")
+    assert store.version("chat", 2).quantization == "gguf"
+
+    empty_db.downgrade("0008")
+    assert "quantization" not in _columns(empty_db, "deployments")
+    assert "quantization" not in _columns(empty_db, "deployment_versions")
+    with empty_db.engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT version, dtype FROM deployment_versions").all() == [
+            (1, "fp16"),
+            (2, "fp16"),
+        ]
+    empty_db.upgrade()
+    assert empty_db.current_revision() == HEAD
+
+
 def test_downgrade_below_0005_refuses_to_drop_corrections(db: Database) -> None:
     ledger = Ledger(db)
     ledger.record(UsageRecord("req-1", "m", "completions", "completed", 5, 5))
@@ -310,6 +349,7 @@ def test_downgrade_below_0005_refuses_to_drop_corrections(db: Database) -> None:
         ("max_queue", 0, "max_queue_positive"),
         ("queue_timeout_s", 0.0, "queue_timeout_positive"),
         ("dtype", "int8", "dtype_valid"),
+        ("quantization", "int4", "quantization_valid"),
         ("max_model_len", 15, "max_model_len_min"),
         ("kv_cache_bytes", 1048575, "kv_cache_bytes_min"),
         ("generation", 0, "generation_positive"),
@@ -362,6 +402,7 @@ def test_migrations_ship_inside_the_package() -> None:
     assert (folder / "versions" / "0006_usage_rollups.py").is_file()
     assert (folder / "versions" / "0007_scale_event_details.py").is_file()
     assert (folder / "versions" / "0008_deployment_versions.py").is_file()
+    assert (folder / "versions" / "0009_deployment_quantization.py").is_file()
     script = ScriptDirectory(str(folder))
     assert script.get_heads() == [HEAD]
 

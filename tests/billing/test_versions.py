@@ -45,6 +45,11 @@ def test_each_change_of_what_replicas_run_is_a_new_numbered_version(db: Database
     assert (v2.created_by, v2.dtype) == ("cli", "fp32")
     assert v2.created_at is not None and v2.created_at >= v1.created_at  # type: ignore[operator]
     assert store.version("chat", 2) == v2
+    assert (v1.quantization, v2.quantization) == ("none", "none")
+    spec = store.update("chat", quantization="int8")
+    v3 = store.version("chat", 3)
+    assert (spec.generation, v3.quantization) == (3, "int8")
+    assert v3.changes == {"quantization": ["none", "int8"]}
     with pytest.raises(VersionNotFound, match="has no version 9"):
         store.version("chat", 9)
     with pytest.raises(DeploymentNotFound):
@@ -66,6 +71,15 @@ def test_a_canary_takes_a_share_and_leaves_the_stable_version_alone(db: Database
     assert (spec.generation, spec.canary_version) == (3, 2)
     assert store.set_canary("chat", 2, 50).canary_percent == 50.0
     assert store.set_canary("chat", None, None).canary_version is None
+
+
+def test_a_canary_of_another_quantization_runs_it_until_a_rollback(db: Database) -> None:
+    store = _store(db)
+    spec = store.add_canary("chat", 10, quantization="int8")
+    assert (spec.quantization, spec.canary_version) == ("none", 2)  # the stable one's
+    assert spec.at_version(store.version("chat", 2)).quantization == "int8"
+    assert store.promote("chat").quantization == "int8"
+    assert store.rollback("chat").quantization == "none"
 
 
 def test_invalid_canaries_are_refused_with_reasons(db: Database) -> None:

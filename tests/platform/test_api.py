@@ -4,6 +4,7 @@ SQLite ledger, a real local-process backend (no request here ever reaches a work
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -331,7 +332,12 @@ def test_create_deployment_shows_everywhere(client: TestClient, snapshot: Path) 
         "max_queue": 256,  # the server's defaults until the deployment sets its own
         "queue_timeout_s": 300.0,
     }
-    assert created["engine"] == {"dtype": None, "max_model_len": None, "kv_cache_bytes": 1 << 30}
+    assert created["engine"] == {
+        "dtype": None,
+        "quantization": "none",
+        "max_model_len": None,
+        "kv_cache_bytes": 1 << 30,
+    }
     assert created["generation"] == 1 and created["last_cold_start"] is None
     assert created["replicas"] == []  # scaled to zero: no GPU held until the first request
     assert created["queued_requests"] == 0
@@ -521,6 +527,10 @@ def test_a_model_type_workers_cannot_run_is_422(client: TestClient, tmp_path: Pa
         ({"queue_timeout_s": 0}, "queue_timeout_s"),
         ({"queue_timeout_s": 1e9}, "queue_timeout_s"),
         ({"dtype": "int4"}, "dtype"),
+        ({"quantization": "int4"}, "quantization"),
+        ({"quantization": "INT8"}, "quantization"),
+        ({"quantization": 8}, "quantization"),
+        ({"quantization": ["gguf"]}, "quantization"),
         ({"max_model_len": 8}, "max_model_len"),
         ({"kv_cache_bytes": 1024}, "kv_cache_bytes"),
         ({"kv_cache_bytes": (1 << 44) + 1}, "kv_cache_bytes"),  # more than any machine holds
@@ -598,6 +608,72 @@ def test_patch_changes_settings_and_bumps_the_generation_only_for_what_replicas_
     r = client.patch("/v1/deployments/tiny", json={"max_queue": None})  # back to the default
     assert r.json()["scaling"]["max_queue"] == 256
     assert client.get("/v1/deployments/tiny").json() == r.json()
+
+
+def test_quantization_is_an_engine_option_each_change_a_new_version(
+    client: TestClient, snapshot: Path
+) -> None:
+    r = deploy(client, snapshot, quantization="int8")
+    assert r.status_code == 201, r.text
+    assert r.json()["engine"]["quantization"] == "int8"
+    r = client.patch("/v1/deployments/tiny", json={"max_replicas": 2})
+    assert (r.json()["version"], r.json()["engine"]["quantization"]) == (1, "int8")
+    r = client.patch("/v1/deployments/tiny", json={"quantization": None})  # back to the default
+    assert r.status_code == 200, r.text
+    assert (r.json()["version"], r.json()["engine"]["quantization"]) == (2, "none")
+    r = client.patch("/v1/deployments/tiny", json={"quantization": "none"})  # the same: no-op
+    assert r.json()["version"] == 2
+    versions = client.get("/v1/deployments/tiny/versions").json()["data"]
+    assert [v["engine"]["quantization"] for v in versions] == ["int8", "none"]
+    assert versions[1]["changes"] == {"quantization": ["int8", "none"]}
+    err = error_of(client.patch("/v1/deployments/tiny", json={"quantization": "fp8"}), 400)
+    assert err["param"] == "quantization" and "none, int8, gguf" in err["message"]
+
+
+def _with_gguf_blocks(folder: Path, quantized: Any) -> Path:
+    """``folder``'s manifest with a ``quantized`` list, as a GGUF converted keeping its
+    blocks writes it."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "quantized": quantized}))
+    return folder
+
+
+def test_gguf_quantization_needs_a_snapshot_that_keeps_gguf_blocks(
+    client: TestClient, snapshot: Path, tmp_path: Path
+) -> None:
+    err = error_of(deploy(client, snapshot, quantization="gguf"), 400)
+    assert err["param"] == "quantization"
+    assert f"file://{snapshot}" in err["message"] and "keeps no GGUF blocks" in err["message"]
+    assert "int8" in err["message"]  # what to do instead
+    assert client.get("/v1/deployments").json()["data"] == []  # nothing was created
+    empty = _with_gguf_blocks(snapshot_folder(tmp_path / "empty"), [])
+    error_of(deploy(client, empty, quantization="gguf"), 400)
+
+    blocks = _with_gguf_blocks(snapshot_folder(tmp_path / "q4"), ["Q4_1", "Q8_0"])
+    r = deploy(client, blocks, quantization="gguf")
+    assert r.status_code == 201, r.text
+    assert r.json()["engine"]["quantization"] == "gguf"
+    # Neither a new snapshot without blocks, nor a canary of one, under gguf.
+    for body in (
+        {"snapshot_uri": f"file://{snapshot}"},
+        {"snapshot_uri": f"file://{snapshot}", "canary": {"percent": 10}},
+    ):
+        err = error_of(client.patch("/v1/deployments/tiny", json=body), 400)
+        assert err["param"] == "quantization" and "keeps no GGUF blocks" in err["message"]
+    # The same snapshot under another quantization is fine, and back to gguf needs the blocks.
+    r = client.patch(
+        "/v1/deployments/tiny", json={"snapshot_uri": f"file://{snapshot}", "quantization": "int8"}
+    )
+    assert r.status_code == 200, r.text
+    err = error_of(client.patch("/v1/deployments/tiny", json={"quantization": "gguf"}), 400)
+    assert err["param"] == "quantization"
+    assert client.get("/v1/deployments/tiny").json()["version"] == 2
+    # An s3:// snapshot is not read here: its worker refuses the load instead.
+    r = client.post(
+        "/v1/deployments",
+        json={"name": "remote", "snapshot_uri": "s3://models/plain", "quantization": "gguf"},
+    )
+    assert r.status_code == 201, r.text
 
 
 @pytest.mark.parametrize(

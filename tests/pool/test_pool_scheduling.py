@@ -9,6 +9,7 @@ runs with real processes in tests/e2e/test_autoscale.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -24,7 +25,7 @@ from hotpool.pool.backend import WorkerBackend, WorkerHandle
 from hotpool.pool.pool import ScaleEvent, WorkerPool
 from hotpool.pool.registry import WorkerRegistry
 from hotpool.pool.replica import Replica, ReplicaState
-from hotpool.worker.protocol import LoadResult, WorkerInfo
+from hotpool.worker.protocol import LoadRequest, LoadResult, WorkerInfo
 
 
 class InstantBackend(WorkerBackend):
@@ -95,6 +96,28 @@ async def _settle(pool: WorkerPool) -> None:
 
 def run(scenario: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_a_replica_loads_its_deployments_snapshot_with_its_engine_options() -> None:
+    async def scenario() -> None:
+        pool, _, _ = _pool(max_workers=1)
+        asked: list[dict[str, Any]] = []
+
+        def worker_api(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/load":
+                asked.append(json.loads(request.content))
+            return _worker_api(request)
+
+        pool.launcher.client = httpx.AsyncClient(transport=httpx.MockTransport(worker_api))
+        spec = _spec("d", dtype="fp16", quantization="int8", max_model_len=512)
+        await _ready(pool.scale_up(spec))
+        # What the worker's /load reads back: every engine option, quantization included.
+        assert [LoadRequest(**body) for body in asked] == [
+            LoadRequest("d", "file:///s/d", "fp16", 512, None, quantization="int8")
+        ]
+        await pool.shutdown()
+
+    run(scenario)
 
 
 def test_slots_go_first_come_first_served_and_idle_replicas_are_evicted_lru() -> None:

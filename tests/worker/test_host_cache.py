@@ -39,6 +39,9 @@ def test_lru_eviction_within_the_budget(tmp_path: Path) -> None:
     assert entry is not None and entry.model is models["b"]  # the very object: no copy
     assert cache.take(HostKey("b", "fp32"), CPU) is None  # taken: the worker owns it now
     assert cache.take(HostKey("c", "bf16"), CPU) is None  # another dtype is another entry
+    assert HostKey("c", "fp32") == HostKey("c", "fp32", "none")
+    assert cache.take(HostKey("c", "fp32", "int8"), CPU) is None  # and another quantization
+    assert HostKey("c", "fp32") in cache
 
 
 def test_a_model_bigger_than_the_budget_is_not_kept() -> None:

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from hotpool.heap import settle_heap
+from hotpool.worker import service as service_module
 from hotpool.worker.engine.llm_engine import EngineConfig
 from hotpool.worker.host_cache import HostModelCache
-from hotpool.worker.models.loader import ModelLoadError
+from hotpool.worker.models.loader import ModelLoadError, load_model
 from hotpool.worker.protocol import GenerateRequest, LoadRequest, SamplingParams
 from hotpool.worker.service import WorkerService
 from hotpool.worker.snapshot.cache import SnapshotCache
@@ -53,6 +54,40 @@ def test_reload_comes_from_host_memory_then_disk_with_the_same_output(
     assert [first[0], second[0], third[0]] == ["remote", "host", "disk"]
     assert second[1]["load"] == 0.0  # no weights read: they were still in RAM
     assert first[2] == second[2] == third[2] and first[2].strip()
+
+
+def test_a_model_held_in_ram_serves_only_the_quantization_it_was_loaded_in(
+    tmp_path: Path, smollm2_snapshot_bf16: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[str] = []
+
+    def load(path: Path, device: torch.device, dtype: torch.dtype, quantization: str) -> object:
+        asked.append(quantization)
+        return load_model(path, device, dtype)  # the quantizers have tests of their own
+
+    monkeypatch.setattr(service_module, "load_model", load)
+    service = WorkerService(
+        SnapshotCache(tmp_path / "cache"),
+        torch.device("cpu"),
+        EngineConfig(kv_cache_bytes=8 << 20),
+        HostModelCache(2 << 30),  # room for both (fp32 on a CPU without native bf16)
+    )
+    uri = f"file://{smollm2_snapshot_bf16}"
+    plain, int8 = LoadRequest("d", uri), LoadRequest("d", uri, quantization="int8")
+
+    async def scenario() -> list[str]:
+        tiers = []
+        for req in (plain, int8, int8, plain):
+            tiers.append((await service.load(req)).tier)
+            assert service.loaded is not None
+            assert service.loaded.host_key.quantization == req.quantization
+            await service.unload()
+        return tiers
+
+    # The int8 load reads the weights again (the plain model in RAM is not int8); each one
+    # held in RAM serves its own quantization next time.
+    assert asyncio.run(scenario()) == ["remote", "disk", "host", "host"]
+    assert asked == ["none", "int8"]
 
 
 def test_a_failed_load_leaves_nothing_pinned(tmp_path: Path, smollm2_snapshot_bf16: Path) -> None:
@@ -115,3 +150,36 @@ def test_a_deployments_engine_options_reach_its_engine(
         assert model() is None  # dropped from RAM and freed: nothing of it stayed frozen
     finally:
         gc.unfreeze()  # the rest of the test process is collected as usual
+
+
+@pytest.mark.slow
+def test_a_worker_serves_the_snapshots_gguf_blocks_quantized(
+    tmp_path: Path, smollm2_snapshot_blocks: Path, smollm2_snapshot_fp32: Path
+) -> None:
+    # The snapshot's blocks travel through the object store and the disk cache like its other
+    # files (gguf/ is a folder of the snapshot), and the worker serves them as they are.
+    service = WorkerService(
+        SnapshotCache(tmp_path / "cache"),
+        torch.device("cpu"),
+        EngineConfig(kv_cache_bytes=32 << 20),
+    )
+
+    async def scenario() -> tuple[object, str, str]:
+        await service.load(LoadRequest("d", f"file://{smollm2_snapshot_fp32}", "fp32"))
+        dense = await _answer(service)
+        await service.unload()
+        await service.load(LoadRequest("d", f"file://{smollm2_snapshot_blocks}", "fp32",
+                                       quantization="gguf"))  # fmt: skip
+        assert service.loaded is not None
+        report = service.loaded.engine.engine.runner.model.quantization
+        answer = await _answer(service)
+        await service.unload()
+        return report, answer, dense
+
+    report, answer, dense = asyncio.run(scenario())
+    assert report.method == "gguf" and len(report.quantized) == 121  # type: ignore[attr-defined]
+    # The dense snapshot is these very blocks dequantized to fp32: the same greedy answer.
+    assert answer == dense and answer.strip()
+    with pytest.raises(ModelLoadError, match="keeps no GGUF blocks"):
+        asyncio.run(service.load(LoadRequest("d", f"file://{smollm2_snapshot_fp32}", "fp32",
+                                             quantization="gguf")))  # fmt: skip

@@ -148,6 +148,8 @@ class LlamaModel(nn.Module):
         # The sliding layers' own RoPE (Gemma 3), None where they share the global one.
         self.local_rope = local_rotary_for(cfg)
         self.native_ops = True
+        # What load_model's quantization did (a quantize.QuantizationReport), None if none.
+        self.quantization: object | None = None
         self._ops: dict[tuple[torch.device, torch.dtype, bool], TorchOps] = {}
 
     def ops(self, x: torch.Tensor) -> TorchOps:

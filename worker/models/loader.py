@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from hotpool.worker.models.families import SUPPORTED_ARCHITECTURES, family_for
 from hotpool.worker.models.llama import LlamaModel, local_rotary_for, rotary_for
 from hotpool.worker.models.packed_linear import pack_linears, packing_available
+from hotpool.worker.models.quantize import QUANTIZATIONS, check_quantization, quantize_model
 from hotpool.worker.models.weights import convert_hf_state_dict
 
 __all__ = ["DTYPES", "SUPPORTED_ARCHITECTURES", "ModelLoadError", "load_model"]
@@ -23,16 +24,24 @@ class ModelLoadError(Exception):
 
 
 def load_model(
-    path: Path, device: torch.device, dtype: torch.dtype | None = None, pack: bool = True
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    pack: bool = True,
+    quantization: str = "none",
 ) -> LlamaModel:
     """Load a HF-format checkpoint of a supported family. ``dtype=None`` keeps the
-    checkpoint's dtype; ``pack`` prepacks linear weights where that is faster (bf16 on CPU)."""
+    checkpoint's dtype; ``pack`` prepacks linear weights where that is faster (bf16 on CPU);
+    ``quantization`` (none, int8, gguf) serves the linear layers quantized (:mod:`quantize`).
+    """
     config = json.loads((path / "config.json").read_text())
     arch = (config.get("architectures") or ["?"])[0]
     try:
         family = family_for(config)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"quantization {quantization!r}: choose {', '.join(QUANTIZATIONS)}")
     try:
         cfg = family.parse(config)
     except (ValueError, KeyError, TypeError) as exc:
@@ -62,6 +71,14 @@ def load_model(
         model.rope = rotary_for(cfg)
         model.local_rope = local_rotary_for(cfg)
     model.eval().requires_grad_(False)
+    if quantization != "none":
+        try:
+            check_quantization(quantization, target)
+            model.quantization = quantize_model(
+                model, quantization, path, family.layer_parts, device
+            )
+        except ValueError as exc:
+            raise ModelLoadError(f"{arch}: {exc}") from None
     if pack and packing_available(device, target):
-        pack_linears(model)
+        pack_linears(model)  # what stayed dense
     return model

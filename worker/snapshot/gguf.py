@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from hotpool.worker.snapshot.chat_settings import ChatSettings
 from hotpool.worker.snapshot.errors import SnapshotError
 from hotpool.worker.snapshot.gguf_arch import family_of, hf_config
+from hotpool.worker.snapshot.gguf_blocks import hf_blocks, write_blocks
 from hotpool.worker.snapshot.gguf_tensors import config_tensors, hf_tensors, unpermute_rotary
 from hotpool.worker.snapshot.gguf_tokenizer import build_tokenizer, tokenizer_config
 
@@ -30,11 +31,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def convert_gguf(
-    gguf_path: Path, out_dir: Path, dtype: str = "bf16", chat: ChatSettings | None = None
+    gguf_path: Path,
+    out_dir: Path,
+    dtype: str = "bf16",
+    chat: ChatSettings | None = None,
+    keep_blocks: bool = False,
 ) -> None:
     """Write the snapshot files of the GGUF at ``gguf_path`` into ``out_dir``.
 
-    ``dtype`` (bf16, fp16 or fp32) is the dtype the dequantized weights are stored in.
+    ``dtype`` (bf16, fp16 or fp32) is the dtype the dequantized weights are stored in;
+    ``keep_blocks`` also keeps the linear layers' quantized blocks as they are
+    (:mod:`gguf_blocks`), which ``quantization: gguf`` deployments serve.
     Raises :class:`SnapshotError` for files this converter cannot translate faithfully.
     """
     if dtype not in DTYPES:
@@ -49,10 +56,12 @@ def convert_gguf(
         tokenizer = build_tokenizer(meta, family.sentencepiece)
         generation = _generation_config(config, meta, chat.eos_tokens)
         tensors = hf_tensors(reader, family, config, DTYPES[dtype])
+        blocks, kinds = hf_blocks(reader, family, config) if keep_blocks else ({}, {})
     except SnapshotError as exc:
         raise SnapshotError(f"{gguf_path.name}: {exc}") from None
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out_dir / "model.safetensors", {"format": "pt"})
+    write_blocks(out_dir, blocks, kinds)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation)
     tokenizer.save(str(out_dir / "tokenizer.json"))

@@ -39,15 +39,21 @@ class Manifest:
     dtype: str
     files: tuple[ManifestFile, ...]
     total_bytes: int
+    # GGUF block types the snapshot keeps as they are (``gguf_blocks``), which deployments
+    # with ``quantization: gguf`` serve; empty for snapshots without them.
+    quantized: tuple[str, ...] = ()
 
     def _body(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "format_version": self.format_version,
             "architecture": self.architecture,
             "dtype": self.dtype,
             "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
             "total_bytes": self.total_bytes,
         }
+        if self.quantized:  # absent otherwise: earlier manifests keep their digests
+            body["quantized"] = list(self.quantized)
+        return body
 
     @property
     def digest(self) -> str:
@@ -81,6 +87,7 @@ class Manifest:
                 dtype=str(data["dtype"]),
                 files=files,
                 total_bytes=int(data["total_bytes"]),
+                quantized=_quantized(data.get("quantized", [])),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise SnapshotError(f"malformed manifest: {exc!r}") from None
@@ -97,6 +104,12 @@ class Manifest:
                 f"{manifest.digest} (manifest edited by hand or corrupted)"
             )
         return manifest
+
+
+def _quantized(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"quantized must be a list of block type names, got {value!r}")
+    return tuple(value)
 
 
 def _is_sha256(value: object) -> bool:
@@ -128,7 +141,9 @@ def hash_file(path: Path) -> tuple[int, str]:
     return size, hasher.hexdigest()
 
 
-def build_manifest(folder: Path, architecture: str, dtype: str) -> Manifest:
+def build_manifest(
+    folder: Path, architecture: str, dtype: str, quantized: tuple[str, ...] = ()
+) -> Manifest:
     """Hash every file under ``folder`` (recursively, sorted, except ``manifest.json``)."""
     paths = sorted(
         p.relative_to(folder).as_posix()
@@ -147,6 +162,7 @@ def build_manifest(folder: Path, architecture: str, dtype: str) -> Manifest:
         dtype=dtype,
         files=tuple(files),
         total_bytes=sum(f.size for f in files),
+        quantized=quantized,
     )
 
 

