@@ -131,6 +131,7 @@ async def get_summary(request: Request) -> Response:
                 "live": spec is not None,
                 "min_replicas": spec.min_replicas if spec else None,
                 "max_replicas": spec.max_replicas if spec else None,
+                "quantization": spec.quantization if spec else None,
                 "replicas": {state.value: states[state.value] for state in ReplicaState},
                 "requests": s.requests if s else dict.fromkeys(STATUSES, 0),
                 "ttft_seconds": {"p50": s.ttft_p50 if s else None,

@@ -533,6 +533,8 @@ function drawDeployments(summary) {
     cell(row, formatCount(requests), "num");
     cell(row, formatCount(d.requests.error + d.requests.partial), "num");
     cell(row, formatAgo(d.last_request_at));
+    // How its replicas hold the linear weights: dense, int8 or the GGUF's own blocks.
+    cell(row, !d.live ? "–" : d.quantization === "none" ? "dense" : d.quantization);
   }
 }
 

@@ -341,6 +341,7 @@ def test_a_tenant_sees_its_own_totals_in_every_chart_and_range(
     assert live["replicas"]["ready"] == 1
     row = page.locator("#table-deployments tbody tr[data-name='alpha-live'] td")
     assert row.nth(2).inner_text() == "ready"
+    assert live["quantization"] == "none" and row.nth(8).inner_text() == "dense"
     cold = seen["charts"]["chart-cold-starts"]
     assert {"load", "warmup"} <= {d["label"] for d in cold["datasets"]}
     canary = next(d for d in seen["summary"]["deployments"] if d["name"] == "alpha-live")
