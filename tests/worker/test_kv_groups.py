@@ -3,7 +3,11 @@ group, drawn from one pool, and frees the sliding groups' blocks behind the wind
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hotpool.worker.engine.kv_cache_manager import KVCacheManager
 from hotpool.worker.engine.kv_groups import kv_cache_groups
@@ -138,3 +142,63 @@ def test_blocks_held_at_most_counts_every_group() -> None:
     assert KVCacheManager(64, BS).blocks_held_at_most(100, 4) == 25
     with pytest.raises(ValueError, match="not both"):
         KVCacheManager(8, BS, sliding_window=4, windows=(None, 4))
+
+
+@pytest.mark.parametrize("windows", [(None,), (W,), WINDOWS])
+def test_rejected_speculative_slots_go_back_and_the_prefix_cache_is_untouched(
+    windows: tuple[int | None, ...],
+) -> None:
+    m = KVCacheManager(64, BS, windows=windows)
+    tokens = list(range(10))  # known: 10 tokens; 6 more slots for proposals
+    assert m.allocate_slots("a", tokens, 0, 10) is not None
+    cached = m.pool.num_cached_blocks  # the 2 full blocks of known tokens, per group
+    free = m.num_free_blocks
+    assert m.allocate_slots("a", tokens, 10, 6) is not None  # 16 slots: a 4th block a group
+    assert m.num_free_blocks == free - len(windows)
+    assert m.pool.num_cached_blocks == cached  # proposals are never registered
+    # Two of six accepted: 12 tokens known; the last block (slots 12..15) goes back.
+    assert m.free_tail("a", 12) == len(windows)
+    assert all(len(t) == 3 for t in m.get_group_block_ids("a"))
+    assert m.num_free_blocks == free
+    m.check_consistency()
+    accepted = [*tokens, 70, 71]
+    assert m.allocate_slots("a", accepted, 12, 1) is not None  # the next step goes on
+    m.free("a")
+    assert m.num_free_blocks == m.num_blocks
+    m.check_consistency()
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_blocks_are_conserved_under_speculation(data: st.DataObject) -> None:
+    """Requests decode with k proposals a step, keep a random number of them and free the
+    slots of the rest; preempted when short. Every block comes back, and the bookkeeping
+    holds after every step, for any mix of groups."""
+    windows = data.draw(st.sampled_from([(None,), (W,), WINDOWS, (None, 3)]), "windows")
+    m = KVCacheManager(data.draw(st.integers(8, 40), "blocks"), BS, windows=windows)
+    rng = random.Random(data.draw(st.integers(0, 2**16), "seed"))
+    known: dict[str, list[int]] = {f"r{i}": [rng.randint(0, 3) for _ in range(5)] for i in range(3)}
+    computed = dict.fromkeys(known, 0)
+    for _ in range(60):
+        rid = rng.choice(sorted(known))
+        tokens, k = known[rid], rng.randint(0, 6)
+        if computed[rid] == 0:
+            hits, n = m.get_computed_blocks(rid, tokens)
+            if m.allocate_slots(rid, tokens, n, len(tokens) - n, hits) is None:
+                m.free(rid)
+                continue
+            computed[rid] = len(tokens) - 1  # the last known token is computed with proposals
+        # One decode step: the last known token and k proposals (not known tokens).
+        if m.allocate_slots(rid, tokens, computed[rid], 1 + k) is None:
+            m.free(rid)  # preempted: recomputed from scratch later
+            computed[rid] = 0
+            continue
+        accepted = rng.randint(0, k)
+        tokens.extend(rng.randint(0, 3) for _ in range(accepted + 1))  # + the bonus token
+        computed[rid] += 1 + accepted
+        m.free_tail(rid, computed[rid])
+        m.check_consistency()
+    for rid in known:
+        m.free(rid)
+    m.check_consistency()
+    assert m.num_free_blocks == m.num_blocks

@@ -335,6 +335,31 @@ class KVCacheManager:
             tail_first = _interleave([blocks[::-1] for blocks in held])
             self.pool.free_blocks(b for b in tail_first if b is not ph)
 
+    def free_tail(self, request_id: str, num_tokens: int) -> int:
+        """Keep only the blocks covering the request's first ``num_tokens`` tokens, in every
+        group, and free the rest, last first; returns how many were freed.
+
+        For speculative decoding: slots allocated for proposed tokens that verification
+        rejected go back. Prefix hashes are untouched: ``allocate_slots`` registers a block
+        only once every token in it is known (``token_ids``), and proposals are not passed as
+        known tokens, so no freed block was ever registered for them.
+        """
+        held = self._req_blocks.get(request_id)
+        if not held:
+            return 0
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be non-negative, got {num_tokens}")
+        keep = -(-num_tokens // self.block_size)
+        tails = [blocks[keep:] for blocks in held]
+        for blocks in held:
+            del blocks[keep:]
+        ph = self._placeholder
+        freed = [b for b in _interleave([t[::-1] for t in tails]) if b is not ph]
+        self.pool.free_blocks(freed)
+        if self._num_cached.get(request_id, 0) > keep:
+            self._num_cached[request_id] = keep
+        return len(freed)
+
     def get_block_ids(self, request_id: str, group: int = 0) -> list[int]:
         """The request's block table in ``group`` (empty for a request holding no blocks)."""
         held = self._req_blocks.get(request_id)
