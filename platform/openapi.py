@@ -533,6 +533,10 @@ COMPONENTS: dict[str, Schema] = {
                         "ttft_seconds": ref("Percentiles"),
                         "total_seconds": ref("Percentiles"),
                         "last_request_at": null(UNIX),
+                        "quantization": {
+                            **null(strings(*QUANTIZATIONS)),
+                            "description": "How live replicas hold weights; null once deleted.",
+                        },
                         "version": {**null(integer(1)), "description": "The stable version."},
                         "canary": null(every({"version": integer(1), "percent": number(0, 100)})),
                         "versions": {
