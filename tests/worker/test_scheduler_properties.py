@@ -1,7 +1,8 @@
 """Property-based tests of the scheduler over the real KV cache manager (no model: a fake
 runner samples random tokens). Whatever arrives, aborts or runs short of blocks, the
 scheduler keeps its invariants and every request it was given eventually finishes, with full
-attention, a sliding window, or layer groups mixing both (Gemma 3's hybrid cache)."""
+attention, a sliding window, or layer groups mixing both (Gemma 3's hybrid cache), and with
+speculative proposals whose rejected slots go back (block conservation)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def test_every_request_finishes_and_invariants_hold(data: st.DataObject) -> None
         max_model_len=10_000,
     )
     sched = Scheduler(config, kv)
+    spec_k = data.draw(st.sampled_from([0, 0, 1, 3, 6]), "spec_k")  # speculation at 0 of 5
     rng = random.Random(data.draw(st.integers(0, 2**16), "seed"))
     capacity = kv.num_blocks * block_size // len(windows)
     pending: list[Request] = []
@@ -64,9 +66,23 @@ def test_every_request_finishes_and_invariants_hold(data: st.DataObject) -> None
             aborted.add(victim)
         out = sched.schedule()
         _check(sched, kv, config, out)
-        sampled = {s.request.request_id: rng.randint(0, 2) for s in out.scheduled if s.samples}
-        for req in sched.update_from_output(out, sampled):
-            finished[req.request_id] = req
+        # The fake verifier accepts a random prefix of each request's proposals, then emits
+        # one token of its own, as rejection sampling does.
+        sampled = {
+            s.request.request_id: [
+                *s.spec_token_ids[: rng.randint(0, len(s.spec_token_ids))],
+                rng.randint(0, 2),
+            ]
+            for s in out.scheduled
+            if s.samples
+        }
+        by_id = {s.request.request_id: s.request for s in out.scheduled}
+        for rid in sched.update_from_output(out, sampled):
+            finished[rid] = by_id[rid]
+        for req in sched.running:
+            # Proposals for the next step, as the engine makes them: only for a decode.
+            if spec_k and req.num_tokens - req.num_computed_tokens == 1:
+                req.spec_token_ids = [rng.randint(0, 2) for _ in range(rng.randint(0, spec_k))]
         kv.check_consistency()
         if not pending and not sched.has_unfinished():
             break
@@ -89,7 +105,11 @@ def _check(sched: Scheduler, kv: KVCacheManager, config: SchedulerConfig, out: o
     for s in scheduled:
         req = s.request
         assert req.status is RequestStatus.RUNNING and s.num_new_tokens >= 1
-        assert s.start + s.num_new_tokens <= req.num_tokens
+        k = len(s.spec_token_ids)
+        assert s.start + s.num_new_tokens - k <= req.num_tokens
+        if k:  # proposals only ride a decode, and never past what the request may emit
+            assert s.start == req.num_tokens - 1 and s.samples
+            assert k <= req.spec_room(config.max_model_len)
         # Every group's blocks cover every token this step computes.
         assert len(s.group_block_ids) == kv.num_groups
         assert len({len(t) for t in s.group_block_ids}) == 1

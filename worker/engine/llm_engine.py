@@ -1,7 +1,9 @@
 """The engine: scheduler + KV cache manager + model runner, one ``step`` at a time.
 
 ``step()`` is three calls, as in nano-vllm: ``scheduler.schedule()`` ->
-``runner.execute()`` -> ``scheduler.update_from_output()``.
+``runner.execute()`` -> ``scheduler.update_from_output()``; with speculative decoding a
+proposer first guesses each decoding request's next tokens (``spec``), which the same
+forward pass verifies.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from hotpool.worker.engine.kv_groups import kv_cache_groups
 from hotpool.worker.engine.model_runner import ModelRunner
 from hotpool.worker.engine.request import Request
 from hotpool.worker.engine.scheduler import Scheduler, SchedulerConfig
+from hotpool.worker.engine.spec.config import SpecSwitch, SpeculativeConfig
+from hotpool.worker.engine.spec.proposer import ProposalInput, Proposer
 from hotpool.worker.models.attention import PagedKVCache
 from hotpool.worker.models.llama import LlamaModel
 
@@ -43,6 +47,7 @@ class EngineConfig:
     # Kernels (None: chosen by device and dtype); set to compare paths in tests and benchmarks.
     attention_backend: str | None = None  # "torch", "native" (C, bf16 on the CPU), "triton"
     sampler_backend: str | None = None  # "torch", "triton", "reference"
+    speculative: SpeculativeConfig | None = None  # None: one token per request and step
 
 
 @dataclass(frozen=True)
@@ -57,12 +62,22 @@ class EngineStats:
     num_steps: int
     last_step_seconds: float
     last_step_tokens: int
+    spec_proposed: int = 0  # proposed tokens verified (speculative decoding)
+    spec_accepted: int = 0  # of which the target accepted
+    spec_enabled: bool = False  # the automatic switch's state (False without speculation)
 
 
 class LLMEngine(Engine):
     def __init__(
-        self, model: LlamaModel, device: torch.device, config: EngineConfig | None = None
+        self,
+        model: LlamaModel,
+        device: torch.device,
+        config: EngineConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
+        """``proposer``: what guesses tokens when ``config.speculative`` is set (None: the
+        n-gram proposer its config names; a draft model's is built by the caller, which
+        loads the draft's weights)."""
         self.config = config = config or EngineConfig()
         cfg = model.config
         self.max_model_len = min(
@@ -112,6 +127,13 @@ class LLMEngine(Engine):
             config.sampler_backend,
             groups.layer_group if groups.num_groups > 1 else (),
         )
+        self.spec = config.speculative
+        self.proposer: Proposer | None = None
+        self.spec_switch: SpecSwitch | None = None
+        if self.spec is not None:
+            self.proposer = proposer or _default_proposer(self.spec)
+            self.spec_switch = SpecSwitch(self.spec.max_batch)
+        self._spec_counts = [0, 0]  # proposed, accepted
         self._arrivals = itertools.count()
         self._steps = 0
         self._last_step = (0.0, 0)
@@ -168,13 +190,38 @@ class LLMEngine(Engine):
 
     def abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is not None:
-            self.runner.release(request_id)
+            self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
+        self.runner.release(request_id)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
+
+    def _propose(self) -> None:
+        """Guesses for each running request about to decode, unless the switch is off.
+        Requests under a grammar are left out: each position's mask depends on the tokens
+        accepted before it, which the verifier does not track."""
+        assert self.proposer is not None and self.spec is not None and self.spec_switch
+        decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        if not self.spec_switch.update(len(decoding)):
+            return
+        ready = [r for r in decoding if r.grammar is None and r.spec_room(self.max_model_len)]
+        if not ready:
+            return
+        guesses = self.proposer.propose(
+            [ProposalInput(r.request_id, r.prompt_token_ids, r.output_token_ids) for r in ready],
+            self.spec.num_tokens,
+        )
+        for r, guess in zip(ready, guesses, strict=True):
+            r.spec_token_ids = list(guess[: r.spec_room(self.max_model_len)])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.proposer is not None:
+            self._propose()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -183,7 +230,7 @@ class LLMEngine(Engine):
         outputs = []
         for request_id, why in result.failed.items():
             req = self.scheduler.abort(request_id)
-            self.runner.release(request_id)
+            self._release(request_id)
             if req is not None:
                 outputs.append(
                     RequestOutput(
@@ -195,27 +242,30 @@ class LLMEngine(Engine):
                         error=why,
                     )
                 )
-        finished = {
-            r.request_id
-            for r in self.scheduler.update_from_output(
-                plan, {k: v.token_id for k, v in sampled.items()}
-            )
-        }
+        for s in plan.scheduled:
+            if s.spec_token_ids and s.request.request_id in sampled:
+                self._spec_counts[0] += len(s.spec_token_ids)
+                self._spec_counts[1] += len(sampled[s.request.request_id]) - 1
+        finished = self.scheduler.update_from_output(
+            plan, {k: [t.token_id for t in v] for k, v in sampled.items()}
+        )
         for s in plan.scheduled:
             req = s.request
-            token = sampled.get(req.request_id)
-            if token is None:
+            tokens = sampled.get(req.request_id)
+            if tokens is None:
                 continue  # a prefill chunk that did not reach the end of the prompt yet
-            if req.request_id in finished:
-                self.runner.release(req.request_id)
+            done = req.request_id in finished
+            if done:
+                tokens = tokens[: finished[req.request_id]]  # none after a stop
+                self._release(req.request_id)
             outputs.append(
                 RequestOutput(
                     request_id=req.request_id,
-                    new_token_ids=(token.token_id,),
-                    finish_reason=req.finish_reason if req.request_id in finished else None,
+                    new_token_ids=tuple(t.token_id for t in tokens),
+                    finish_reason=req.finish_reason if done else None,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
-                    logprobs=(token,) if req.params.logprobs is not None else (),
+                    logprobs=tuple(tokens) if req.params.logprobs is not None else (),
                     error=_GRAMMAR_FAULT if req.finish_reason == "error" else None,
                 )
             )
@@ -238,4 +288,15 @@ class LLMEngine(Engine):
             num_steps=self._steps,
             last_step_seconds=self._last_step[0],
             last_step_tokens=self._last_step[1],
+            spec_proposed=self._spec_counts[0],
+            spec_accepted=self._spec_counts[1],
+            spec_enabled=self.spec_switch is not None and self.spec_switch.on,
         )
+
+
+def _default_proposer(spec: SpeculativeConfig) -> Proposer:
+    if spec.method != "ngram":
+        raise ValueError(f"speculative method {spec.method!r} needs its proposer passed in")
+    from hotpool.worker.engine.spec.ngram import NgramProposer
+
+    return NgramProposer(spec.ngram)

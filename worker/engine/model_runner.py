@@ -7,6 +7,7 @@ and shared by every layer.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from hotpool.worker.engine.base import SampledToken
 from hotpool.worker.engine.grammar import token_bitmask
 from hotpool.worker.engine.request import Request
 from hotpool.worker.engine.scheduler import ScheduledRequest, SchedulerOutput
+from hotpool.worker.engine.spec.rejection import verify_batch
 from hotpool.worker.models.attention import (
     PagedAttention,
     PagedAttentionMetadata,
@@ -27,10 +29,13 @@ from hotpool.worker.models.attention import (
 )
 from hotpool.worker.models.llama import LlamaModel
 
+_NON_FINITE = "the model produced NaN or infinite logits; generation stopped"
+
 
 @dataclass(frozen=True)
 class StepOutput:
-    sampled: dict[str, SampledToken]  # request id -> its new token
+    # request id -> its new tokens: one, or with speculation the accepted proposals and one
+    sampled: dict[str, list[SampledToken]]
     failed: dict[str, str]  # request id -> why it cannot go on (e.g. NaN logits)
 
 
@@ -63,22 +68,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepOutput:
+        # A request verifying proposals is a span of several tokens, as a prefill chunk is.
         decodes = [s for s in step.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in step.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
         ids: list[int] = []
         positions: list[int] = []
         slots: list[list[int]] = [[] for _ in range(self.num_groups)]  # per layer group
-        sample_rows: list[int] = []  # flat-batch row whose logits each sampling request needs
+        sample_rows: list[int] = []  # flat-batch rows whose logits the samplers need
         bs = self.kv.block_size
         for s in ordered:
-            ids.extend(_tokens(s.request, s.start, s.start + s.num_new_tokens))
+            k = len(s.spec_token_ids)
+            ids.extend(_tokens(s.request, s.start, s.start + s.num_new_tokens - k))
+            ids.extend(s.spec_token_ids)
             span = range(s.start, s.start + s.num_new_tokens)
             positions.extend(span)
             for group_slots, table in zip(slots, s.group_block_ids, strict=True):
                 group_slots.extend(table[pos // bs] * bs + pos % bs for pos in span)
             if s.samples:
-                sample_rows.append(len(ids) - 1)
+                # The last known token and each proposal: k + 1 distributions to verify.
+                sample_rows.extend(range(len(ids) - 1 - k, len(ids)))
         dev = self.device
         metas = self._metadata(
             decodes, prefills, [torch.tensor(g, dtype=torch.long, device=dev) for g in slots]
@@ -92,9 +101,36 @@ class ModelRunner:
         if not samplers:
             return StepOutput({}, {})
         logits = self.model.logits(hidden[torch.tensor(sample_rows, device=dev)])
-        rows = [self._row(s.request) for s in samplers]
+        plain: list[tuple[ScheduledRequest, int]] = []  # (request, its logits row)
+        specs: list[tuple[ScheduledRequest, int]] = []  # (request, its first logits row)
+        row = 0
+        for s in samplers:
+            (specs if s.spec_token_ids else plain).append((s, row))
+            row += len(s.spec_token_ids) + 1
+        sampled: dict[str, list[SampledToken]] = {}
         failed: dict[str, str] = {}
         t0 = time.perf_counter()
+        try:
+            if plain:
+                self._sample(plain, logits, sampled, failed)
+            if specs:
+                self._verify(specs, logits, sampled, failed)
+        finally:
+            self.sampler_seconds += time.perf_counter() - t0
+        return StepOutput(sampled, failed)
+
+    def _sample(
+        self,
+        plain: list[tuple[ScheduledRequest, int]],
+        all_logits: torch.Tensor,
+        sampled: dict[str, list[SampledToken]],
+        failed: dict[str, str],
+    ) -> None:
+        """One token for each request that verifies nothing: the sampler's batch."""
+        dev = self.device
+        samplers = [s for s, _ in plain]
+        logits = all_logits[torch.tensor([r for _, r in plain], device=dev)]
+        rows = [self._row(s.request) for s in samplers]
         constrained = [(s.request.grammar, i) for i, s in enumerate(samplers) if s.request.grammar]
         bitmask = (
             token_bitmask(constrained, len(samplers), logits.shape[1]) if constrained else None
@@ -106,19 +142,15 @@ class ModelRunner:
             bad = set(exc.rows)
             keep = [i for i in range(len(samplers)) if i not in bad]
             for i in sorted(bad):
-                failed[samplers[i].request.request_id] = (
-                    "the model produced NaN or infinite logits; generation stopped"
-                )
+                failed[samplers[i].request.request_id] = _NON_FINITE
             samplers, rows = [samplers[i] for i in keep], [rows[i] for i in keep]
             if not samplers:
-                return StepOutput({}, failed)
+                return
             kept = torch.tensor(keep, device=dev)
             out = sample(
                 logits[kept], rows, backend=self.sampler_backend,
                 token_bitmask=None if bitmask is None else bitmask[kept.cpu()],
             )  # fmt: skip
-        finally:
-            self.sampler_seconds += time.perf_counter() - t0
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist()
         tops: list[list[tuple[int, float]]] = [[] for _ in samplers]
@@ -127,11 +159,51 @@ class ModelRunner:
             for i, s in enumerate(samplers):
                 n = s.request.params.logprobs or 0
                 tops[i] = list(zip(top_ids[i, :n].tolist(), values[i, :n].tolist(), strict=True))
-        sampled = {
-            s.request.request_id: SampledToken(tokens[i], logprobs[i], tuple(tops[i]))
-            for i, s in enumerate(samplers)
-        }
-        return StepOutput(sampled, failed)
+        for i, s in enumerate(samplers):
+            sampled[s.request.request_id] = [SampledToken(tokens[i], logprobs[i], tuple(tops[i]))]
+
+    def _verify(
+        self,
+        specs: list[tuple[ScheduledRequest, int]],
+        all_logits: torch.Tensor,
+        sampled: dict[str, list[SampledToken]],
+        failed: dict[str, str],
+    ) -> None:
+        """The accepted proposals and one more token for each request that verifies some
+        (``spec.rejection``); logprobs are the raw ones at each emitted position, as the
+        sampler gives them."""
+        logits = all_logits.detach().float().cpu()
+        while specs:
+            spans = [logits[r : r + len(s.spec_token_ids) + 1] for s, r in specs]
+            rows = [self._row(s.request) for s, _ in specs]
+            try:
+                emitted = verify_batch(
+                    torch.cat(spans), [s.spec_token_ids for s, _ in specs], None, rows
+                )
+                break
+            except NonFiniteLogitsError as exc:
+                for i in exc.rows:
+                    failed[specs[i][0].request.request_id] = _NON_FINITE
+                specs = [sr for i, sr in enumerate(specs) if i not in set(exc.rows)]
+        else:
+            return
+        for (s, _), span, tokens in zip(specs, spans, emitted, strict=True):
+            want = s.request.params.logprobs
+            if want is None:
+                sampled[s.request.request_id] = [SampledToken(t, math.nan) for t in tokens]
+                continue
+            lp = torch.log_softmax(span[: len(tokens)], dim=1)
+            chosen = lp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
+            tops: list[tuple[tuple[int, float], ...]] = [()] * len(tokens)
+            if want:
+                values, top_ids = lp.topk(min(want, lp.shape[1]), dim=1)
+                tops = [
+                    tuple(zip(i.tolist(), v.tolist(), strict=True))
+                    for i, v in zip(top_ids, values, strict=True)
+                ]
+            sampled[s.request.request_id] = [
+                SampledToken(t, c, top) for t, c, top in zip(tokens, chosen, tops, strict=True)
+            ]
 
     def _metadata(
         self,

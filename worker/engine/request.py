@@ -36,6 +36,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     grammar: TokenGrammar | None = None  # fed every sampled token (the scheduler does)
+    # Proposed next tokens (speculative decoding) the next step verifies; they are not
+    # tokens of the request until verification accepts them, and are cleared every step.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +51,13 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return [*self.prompt_token_ids, *self.output_token_ids]
+
+    def spec_room(self, max_model_len: int) -> int:
+        """How many proposals the next step may verify: a step emits the accepted ones and
+        one more, so they stop short of ``max_new_tokens``, and their positions of the
+        model's context."""
+        left = self.max_new_tokens - len(self.output_token_ids) - 1
+        return max(0, min(left, max_model_len - self.num_tokens))
 
     def check_stop(self, token: int, max_model_len: int) -> FinishReason | None:
         """Why the request ends after sampling ``token``, if it does."""

@@ -4,6 +4,10 @@ Running requests go first, in arrival order, each taking as many of its uncomput
 as the budget allows (a decode needs one, a prefill chunk many); then waiting requests are
 admitted FCFS while blocks, budget and ``max_num_seqs`` allow. When a running request
 cannot get blocks, the latest arrival is preempted (blocks freed, recomputed later).
+Speculative decoding adds to a decoding request's one token the proposals it carries
+(``Request.spec_token_ids``): they take budget and KV slots like any token, the runner
+verifies them in the same pass, and ``update_from_output`` keeps what was accepted and
+gives the slots of the rest back (``KVCacheManager.free_tail``).
 Torch-free: the scheduler sees tokens and block ids, never tensors.
 """
 
@@ -23,6 +27,9 @@ class ScheduledRequest:
     start: int  # num_computed_tokens before this step
     num_new_tokens: int
     group_block_ids: tuple[tuple[int, ...], ...]  # the block table of each layer group
+    # Proposed tokens verified in this step, after the request's last known token; they are
+    # the last ``len(spec_token_ids)`` of ``num_new_tokens``.
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def block_ids(self) -> tuple[int, ...]:
@@ -32,7 +39,8 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """This step computes the request's last known token, so it yields a new one."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        num_known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.start + num_known == self.request.num_tokens
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            # Proposals ride only on a decode (the last known token is the one left), and
+            # only as many as the budget leaves room for.
+            spec = req.spec_token_ids
+            if spec and req.num_tokens - req.num_computed_tokens == 1:
+                spec = spec[: min(budget - 1, req.spec_room(self.config.max_model_len))]
+                num_new += len(spec)
+            else:
+                spec = []
             while (
                 self.kv.allocate_slots(
                     req.request_id, req.all_token_ids, req.num_computed_tokens, num_new
@@ -106,7 +122,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # req itself was preempted; everyone after it already was
-            scheduled.append(self._scheduled(req, num_new))
+            scheduled.append(self._scheduled(req, num_new, spec))
             budget -= num_new
             i += 1
         # Admit waiting requests, FCFS, only if nothing had to be preempted this step.
@@ -136,38 +152,62 @@ class Scheduler:
             budget -= num_new
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance what ran; append sampled tokens; return the requests that finished."""
-        finished = []
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> dict[str, int]:
+        """Advance what ran and append the tokens each request emitted (one, or with
+        speculation the accepted proposals and one more); returns how many of those tokens
+        each request keeps, for the requests that finished (a stop condition met midway
+        drops the tokens after it). Finished requests leave the scheduler."""
+        finished: dict[str, int] = {}
         for s in output.scheduled:
             req = s.request
+            req.spec_token_ids = []
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted meanwhile
-            req.num_computed_tokens = s.start + s.num_new_tokens
-            token = sampled.get(req.request_id)
-            if token is None:
+            k = len(s.spec_token_ids)
+            tokens = sampled.get(req.request_id)
+            if not tokens:
+                req.num_computed_tokens = s.start + s.num_new_tokens - k
+                if k:
+                    self.kv.free_tail(req.request_id, req.num_tokens)
                 continue
-            req.output_token_ids.append(token)
-            if req.grammar is not None and not req.grammar.accept(token):
-                # The mask allows only what the grammar accepts: this is a fault upstream.
-                req.finish_reason = "error"
-                self._finish(req)
-                finished.append(req)
-                continue
-            reason = req.check_stop(token, self.config.max_model_len)
-            if reason is not None:
-                req.finish_reason = reason
-                self._finish(req)
-                finished.append(req)
+            # The KV is right for the last known token and the accepted proposals: every
+            # emitted token but the last one (which the next step computes).
+            req.num_computed_tokens = s.start + s.num_new_tokens - k + len(tokens) - 1
+            for n, token in enumerate(tokens, 1):
+                req.output_token_ids.append(token)
+                reason = None
+                if req.grammar is not None and not req.grammar.accept(token):
+                    # The mask allows only what the grammar accepts: this is a fault upstream.
+                    reason = "error"
+                reason = reason or req.check_stop(token, self.config.max_model_len)
+                if reason is not None:
+                    req.finish_reason = reason
+                    self._finish(req)
+                    finished[req.request_id] = n
+                    break
+            else:
+                if k:
+                    # Slots written for rejected proposals go back (the next step writes the
+                    # position of the last emitted token, so its block stays).
+                    self.kv.free_tail(req.request_id, req.num_tokens)
         return finished
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(
+        self, req: Request, num_new: int, spec: list[int] | None = None
+    ) -> ScheduledRequest:
         return ScheduledRequest(
-            req, req.num_computed_tokens, num_new, self.kv.get_group_block_ids(req.request_id)
+            req,
+            req.num_computed_tokens,
+            num_new,
+            self.kv.get_group_block_ids(req.request_id),
+            tuple(spec or ()),
         )
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
