@@ -3,6 +3,7 @@ scaling policy."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields, replace
 from datetime import datetime
@@ -30,7 +31,9 @@ MIN_KV_CACHE_BYTES = 1 << 20
 # the worker's allocation overflow instead of a clear refusal.
 MAX_KV_CACHE_BYTES = 1 << 44
 # What a replica loads: a change to any of these needs new replicas (a new generation).
-REPLICA_FIELDS = ("snapshot_uri", "dtype", "quantization", "max_model_len", "kv_cache_bytes")
+REPLICA_FIELDS = (
+    "snapshot_uri", "dtype", "quantization", "speculative", "max_model_len", "kv_cache_bytes",
+)  # fmt: skip
 # Fields the store owns or that identify the deployment: update() cannot change them.
 FIXED_FIELDS = frozenset(
     {"name", "tenant_id", "created_at", "generation", "canary_version", "canary_percent",
@@ -77,6 +80,9 @@ class DeploymentSpec:
     (the context length cap). ``quantization`` is how replicas hold the linear weights:
     ``none`` (in the activation dtype), ``int8`` (per-channel weight-only int8, made at
     load) or ``gguf`` (the GGUF blocks a snapshot converted from a GGUF keeps).
+    ``speculative`` is the speculative decoding policy as compact JSON (the API's object,
+    checked by the control plane: ``method``, ``num_tokens``, ``max_batch``, ...), or None
+    for none; text, not a dict, so that a spec stays hashable and compares by value.
 
     ``created_at`` and ``generation`` are set by the store and ignored when a spec is
     written. ``generation`` is the number of the *stable* version: every change of what
@@ -98,6 +104,7 @@ class DeploymentSpec:
     queue_timeout_s: float | None = None
     dtype: str | None = None
     quantization: str = "none"
+    speculative: str | None = None
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
     generation: int = 1
@@ -158,6 +165,10 @@ class DeploymentSpec:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
+        if self.speculative is not None and not _json_object_text(self.speculative):
+            raise ValueError(
+                f"speculative must be a JSON object's text or None, got {self.speculative!r}"
+            )
         if not _int_at_least(self.generation, 1):
             raise ValueError(f"generation must be an integer >= 1, got {self.generation!r}")
         if (self.canary_version is None) != (self.canary_percent is None):
@@ -178,6 +189,7 @@ class DeploymentSpec:
             snapshot_uri=v.snapshot_uri,
             dtype=v.dtype,
             quantization=v.quantization,
+            speculative=v.speculative,
             max_model_len=v.max_model_len,
             kv_cache_bytes=v.kv_cache_bytes,
             generation=v.version,
@@ -198,10 +210,17 @@ def check_percent(percent: object) -> float:
     return float(percent)
 
 
+def _json_object_text(value: object) -> bool:
+    try:
+        return isinstance(value, str) and isinstance(json.loads(value), dict)
+    except ValueError:
+        return False
+
+
 def runs_differently(old: DeploymentSpec, new: DeploymentSpec) -> bool:
     """True when replicas loaded for ``old`` cannot serve ``new`` (its snapshot, dtype,
-    quantization, context length or KV cache budget differ); scaling and queueing settings
-    do not count."""
+    quantization, speculation, context length or KV cache budget differ); scaling and
+    queueing settings do not count."""
     return any(getattr(old, name) != getattr(new, name) for name in REPLICA_FIELDS)
 
 
@@ -468,6 +487,7 @@ def _version_row(
         snapshot_uri=source.snapshot_uri,
         dtype=source.dtype,
         quantization=source.quantization,
+        speculative=source.speculative,
         max_model_len=source.max_model_len,
         kv_cache_bytes=source.kv_cache_bytes,
         created_by=created_by,
@@ -494,6 +514,7 @@ def _values(spec: DeploymentSpec) -> dict[str, Any]:
         "queue_timeout_s": None if timeout is None else float(timeout),
         "dtype": spec.dtype,
         "quantization": spec.quantization,
+        "speculative": spec.speculative,
         "max_model_len": spec.max_model_len,
         "kv_cache_bytes": spec.kv_cache_bytes,
     }
@@ -513,6 +534,7 @@ def _spec(row: Deployment) -> DeploymentSpec:
         queue_timeout_s=row.queue_timeout_s,
         dtype=row.dtype,
         quantization=row.quantization,
+        speculative=row.speculative,
         max_model_len=row.max_model_len,
         kv_cache_bytes=row.kv_cache_bytes,
         generation=row.generation,

@@ -152,6 +152,7 @@ class Deployment(Base):
     queue_timeout_s: Mapped[float | None] = mapped_column(Float)
     dtype: Mapped[str | None] = mapped_column(String(8))
     quantization: Mapped[str] = mapped_column(String(8), default="none", server_default="none")
+    speculative: Mapped[str | None] = mapped_column(Text)  # the policy's JSON; NULL: none
     max_model_len: Mapped[int | None] = mapped_column(Integer)
     kv_cache_bytes: Mapped[int | None] = mapped_column(BigInteger)
     generation: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
@@ -182,6 +183,7 @@ class DeploymentVersion(Base):
     snapshot_uri: Mapped[str] = mapped_column(Text)
     dtype: Mapped[str | None] = mapped_column(String(8))
     quantization: Mapped[str] = mapped_column(String(8), default="none", server_default="none")
+    speculative: Mapped[str | None] = mapped_column(Text)
     max_model_len: Mapped[int | None] = mapped_column(Integer)
     kv_cache_bytes: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

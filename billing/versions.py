@@ -21,6 +21,7 @@ class VersionRecord:
     snapshot_uri: str
     dtype: str | None = None
     quantization: str = "none"
+    speculative: str | None = None  # the policy's JSON
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
     created_at: datetime | None = None
@@ -39,6 +40,7 @@ def version_record(deployment: str, row: DeploymentVersion) -> VersionRecord:
         snapshot_uri=row.snapshot_uri,
         dtype=row.dtype,
         quantization=row.quantization,
+        speculative=row.speculative,
         max_model_len=row.max_model_len,
         kv_cache_bytes=row.kv_cache_bytes,
         created_at=row.created_at,

@@ -163,6 +163,13 @@ def worker(
     " default), int8 (weight-only, made at load) or gguf (the GGUF blocks the snapshot keeps).",
 )
 @click.option(
+    "--speculative",
+    metavar="METHOD[:K]|off|JSON",
+    help="Speculative decoding: ngram (prompt lookup) or a JSON policy such as"
+    ' \'{"method": "draft", "draft_snapshot": "smollm2", "num_tokens": 4}\'; K proposed'
+    " tokens a step (default 4); off turns it off.",
+)
+@click.option(
     "--canary",
     type=click.FloatRange(0, 100),
     help="Percent of requests for this snapshot as a canary of existing deployment NAME"
@@ -176,6 +183,7 @@ def deploy(
     min_replicas: int | None,
     max_replicas: int | None,
     quantization: str | None,
+    speculative: str | None,
     canary: float | None,
     url: str | None,
 ) -> None:
@@ -188,6 +196,8 @@ def deploy(
                          ("quantization", quantization)):  # fmt: skip
         if value is not None:
             body[field] = value
+    if speculative is not None:
+        body["speculative"] = _speculative(speculative)
     if canary is not None:
         out = _call("PATCH", f"{base}/{name}", json={**body, "canary": {"percent": canary}})
         click.echo(describe(out))
@@ -202,11 +212,31 @@ def deploy(
         click.echo(f"deployed {out['name']} from {_served(out)}")
 
 
+def _speculative(value: str) -> dict[str, Any] | None:
+    """``--speculative``'s policy for the API (which checks it): ``off``, ``METHOD[:K]`` or
+    a JSON object."""
+    if value == "off":
+        return None
+    if value.lstrip().startswith("{"):
+        try:
+            policy = json.loads(value)
+        except ValueError as exc:
+            raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--speculative") from None
+        return policy  # type: ignore[no-any-return]
+    method, _, k = value.partition(":")
+    if k and not k.isdigit():
+        raise click.BadParameter(f"K must be a number, got {k!r}", param_hint="--speculative")
+    return {"method": method, **({"num_tokens": int(k)} if k else {})}
+
+
 def _served(deployment: dict[str, Any]) -> str:
-    """Its snapshot, and its quantization unless none."""
-    quantization = deployment["engine"]["quantization"]
-    extra = "" if quantization == "none" else f" ({quantization} quantization)"
-    return f"{deployment['snapshot_uri']}{extra}"
+    """Its snapshot, and its quantization and speculation unless none."""
+    engine = deployment["engine"]
+    extras = [] if engine["quantization"] == "none" else [f"{engine['quantization']} quantization"]
+    spec = engine.get("speculative")
+    if spec:
+        extras.append(f"{spec['method']} speculation, k={spec['num_tokens']}")
+    return deployment["snapshot_uri"] + (f" ({', '.join(extras)})" if extras else "")
 
 
 @main.command()

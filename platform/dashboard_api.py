@@ -10,6 +10,7 @@ deployments; an ``admin`` key sees every tenant's and may narrow to one with ``t
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -34,6 +35,7 @@ from hotpool.platform.auth import Authenticator, authorize
 from hotpool.platform.deployments_api import event_json
 from hotpool.platform.errors import invalid
 from hotpool.platform.services import Services
+from hotpool.platform.spec_stats import SpecStats, deployment_spec_stats
 from hotpool.platform.usage_api import EPOCH, tenant_filter, time_param
 from hotpool.pool.replica import ReplicaState
 
@@ -120,6 +122,7 @@ async def get_summary(request: Request) -> Response:
             replicas.setdefault(r.deployment, Counter())[r.state.value] += 1
             states_by_version[r.deployment][r.generation] += 1
     stats = {s.deployment: s for s in ledger.stats}
+    spec_stats = deployment_spec_stats(services.pool)
     deployments = []
     for name in sorted(set(specs) | set(stats)):
         spec, s = specs.get(name), stats.get(name)
@@ -132,6 +135,7 @@ async def get_summary(request: Request) -> Response:
                 "min_replicas": spec.min_replicas if spec else None,
                 "max_replicas": spec.max_replicas if spec else None,
                 "quantization": spec.quantization if spec else None,
+                "speculation": _speculation_json(spec, spec_stats.get(name)),
                 "replicas": {state.value: states[state.value] for state in ReplicaState},
                 "requests": s.requests if s else dict.fromkeys(STATUSES, 0),
                 "ttft_seconds": {"p50": s.ttft_p50 if s else None,
@@ -162,6 +166,24 @@ async def get_summary(request: Request) -> Response:
             "scale_events_truncated": ledger.truncated,
         }
     )
+
+
+def _speculation_json(spec: DeploymentSpec | None, stats: SpecStats | None) -> Any:
+    """The deployment's speculative decoding (method, k) with its live replicas' figures;
+    None when it does not speculate."""
+    if spec is None or spec.speculative is None:
+        return None
+    policy = json.loads(spec.speculative)
+    s = stats or SpecStats()
+    return {
+        "method": policy["method"],
+        "num_tokens": policy["num_tokens"],
+        "proposed": s.proposed,
+        "accepted": s.accepted,
+        "acceptance_rate": s.acceptance_rate,
+        "replicas": s.replicas,
+        "enabled_replicas": s.enabled_replicas,
+    }
 
 
 def _versions_json(

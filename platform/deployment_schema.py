@@ -23,6 +23,7 @@ from hotpool.billing.deployments import (
 from hotpool.billing.models import QUANTIZATIONS
 from hotpool.platform.errors import APIError, invalid, json_object
 from hotpool.snapshot_names import SnapshotNameError, is_bare_name, resolve_snapshot
+from hotpool.worker.engine.spec.config import SpeculativeConfig
 from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -120,6 +121,9 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "queue_timeout_s": _seconds("queue_timeout_s", MAX_QUEUE_TIMEOUT_S, nullable=True),
     "dtype": _dtype,
     "quantization": _quantization,
+    # Checked with the local object store at hand (a draft model's name resolves there):
+    # ``_with_speculative`` does it once the body's other fields are parsed.
+    "speculative": lambda value: value,
     "max_model_len": _int("max_model_len", 16, nullable=True),
     "kv_cache_bytes": _int(
         "kv_cache_bytes", MIN_KV_CACHE_BYTES, nullable=True, maximum=MAX_KV_CACHE_BYTES
@@ -144,6 +148,7 @@ def parse_deployment(
         raise invalid("`snapshot_uri` is required", "snapshot_uri")
     body = _named_snapshot_resolved(body, snapshots_dir)
     values = {field: PARSERS[field](value) for field, value in body.items() if field != "name"}
+    values = _with_speculative(values, snapshots_dir)
     values.setdefault("idle_timeout_s", default_idle_timeout_s)
     spec = _spec(DeploymentSpec, {"name": name, **values})
     _check_gguf_blocks(spec)
@@ -179,6 +184,7 @@ def parse_update(body: Any, current: DeploymentSpec, snapshots_dir: Path) -> Upd
         raise invalid("a deployment cannot be renamed; create a new one", "name")
     body = _named_snapshot_resolved(body, snapshots_dir)
     changes = {f: PARSERS[f](v) for f, v in body.items() if f not in ("name", "canary")}
+    changes = _with_speculative(changes, snapshots_dir)
     canary = _canary(body["canary"], changes) if "canary" in body else None
     if not changes and canary is None:
         settable = ", ".join(sorted([*PARSERS, "canary"]))
@@ -250,24 +256,62 @@ def _named_snapshot_resolved(body: dict[str, Any], snapshots_dir: Path) -> dict[
     name = body.get("snapshot_uri")
     if not isinstance(name, str) or not is_bare_name(name):
         return body
+    return {**body, "snapshot_uri": _resolved_name(name, snapshots_dir, "snapshot_uri")}
+
+
+def _resolved_name(name: str, snapshots_dir: Path, param: str) -> str:
+    """The URI of snapshot ``name`` in the local object store; a 400 naming ``param`` and
+    the store when it is not there."""
     try:
         uri = resolve_snapshot(name, snapshots_dir)
     except SnapshotNameError as exc:
-        raise invalid(f"`snapshot_uri` {exc}", "snapshot_uri") from None
+        raise invalid(f"`{param}` {exc}", param) from None
     try:
         found = (Path(uri.removeprefix("file://")) / "manifest.json").is_file()
     except OSError:  # a name too long for the file system
         found = False
     if not found:
         raise invalid(
-            f"`snapshot_uri` {_shown(name)!r} names no snapshot in the local object store "
+            f"`{param}` {_shown(name)!r} names no snapshot in the local object store "
             f"(file://{snapshots_dir}): put one there with `hotpool models pull` or "
             "`hotpool snapshot push SRC NAME`, or give a file:///absolute/path or "
             "s3://bucket/prefix URI",
-            "snapshot_uri",
+            param,
             code="snapshot_not_found",
         )
-    return {**body, "snapshot_uri": uri}
+    return uri
+
+
+def _with_speculative(values: dict[str, Any], snapshots_dir: Path) -> dict[str, Any]:
+    """``values`` with ``speculative`` (when given) checked and stored as canonical JSON
+    text: the policy with every default filled in, a draft model's bare name resolved in
+    the local object store, a local draft snapshot checked as ``snapshot_uri`` is. ``null``
+    turns speculation off."""
+    if "speculative" not in values or values["speculative"] is None:
+        return values
+    try:
+        config = SpeculativeConfig.from_json(values["speculative"])
+    except ValueError as exc:
+        raise invalid(str(exc), "speculative") from None
+    draft = config.draft_snapshot
+    if draft is not None:
+        param = "speculative.draft_snapshot"
+        if is_bare_name(draft):
+            draft = _resolved_name(draft, snapshots_dir, param)
+        elif draft.startswith("file:///"):
+            try:
+                _check_local_snapshot(draft)
+            except APIError as exc:
+                raise APIError(exc.status, f"`{param}`: {exc.message}", param=param) from None
+        elif not draft.startswith("s3://") or not S3_URI.fullmatch(draft.rstrip("/")):
+            raise invalid(
+                f"`{param}` must be a file:///absolute/path or s3://bucket/prefix URI, or the "
+                "name of a snapshot in the local object store",
+                param,
+            )
+        config = replace(config, draft_snapshot=draft.rstrip("/"))
+    text = json.dumps(config.to_json(), sort_keys=True, separators=(",", ":"))
+    return {**values, "speculative": text}
 
 
 def _check_local_snapshot(uri: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any
@@ -37,6 +38,11 @@ from hotpool.platform.services import Services, read_json
 
 MAX_EVENTS_PAGE = 1000
 MAX_EVENT_ID = (1 << 63) - 1  # a BIGINT: a larger `before` would overflow in SQL
+
+
+def speculative_json(text: str | None) -> dict[str, Any] | None:
+    """The stored policy as the API shows it (the store keeps its canonical JSON text)."""
+    return None if text is None else json.loads(text)  # type: ignore[no-any-return]
 
 
 def deployment_json(spec: DeploymentSpec, services: Services) -> dict[str, Any]:
@@ -68,6 +74,7 @@ def deployment_json(spec: DeploymentSpec, services: Services) -> dict[str, Any]:
         "engine": {
             "dtype": spec.dtype,  # null: the snapshot's own
             "quantization": spec.quantization,
+            "speculative": speculative_json(spec.speculative),  # null: no speculation
             "max_model_len": spec.max_model_len,  # null: the model's own
             "kv_cache_bytes": spec.kv_cache_bytes or settings.kv_cache_bytes,
         },
@@ -228,6 +235,7 @@ def _version_json(v: VersionRecord, spec: DeploymentSpec) -> dict[str, Any]:
         "engine": {
             "dtype": v.dtype,
             "quantization": v.quantization,
+            "speculative": speculative_json(v.speculative),
             "max_model_len": v.max_model_len,
             "kv_cache_bytes": v.kv_cache_bytes,
         },

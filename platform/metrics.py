@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from hotpool.platform.ledger_writer import LedgerWriter
+from hotpool.platform.spec_stats import deployment_spec_stats
 from hotpool.pool.pool import ScaleEvent, WorkerPool
 from hotpool.pool.replica import Replica, ReplicaState
 from hotpool.worker.protocol import Usage
@@ -81,6 +82,39 @@ class _PoolCollector(Collector):
         yield q
         yield inflight
         yield self._kv_cache_usage(replicas)
+        yield from self._speculation()
+
+    def _speculation(self) -> Iterator[GaugeMetricFamily]:
+        # Gauges, not counters: a sum over live replicas drops when one drains.
+        label = ["deployment"]
+        proposed = GaugeMetricFamily(
+            "hotpool_spec_proposed_tokens",
+            "Tokens speculative decoding proposed, summed over the deployment's ready replicas"
+            " since each loaded",
+            labels=label,
+        )
+        accepted = GaugeMetricFamily(
+            "hotpool_spec_accepted_tokens",
+            "Proposed tokens the model accepted, summed as hotpool_spec_proposed_tokens",
+            labels=label,
+        )
+        rate = GaugeMetricFamily(
+            "hotpool_spec_acceptance_ratio",
+            "Accepted over proposed tokens on the deployment's ready replicas",
+            labels=label,
+        )
+        enabled = GaugeMetricFamily(
+            "hotpool_spec_enabled_replicas",
+            "Ready replicas whose automatic switch has speculation on now (off under load)",
+            labels=label,
+        )
+        for deployment, s in sorted(deployment_spec_stats(self.pool).items()):
+            proposed.add_metric([deployment], s.proposed)
+            accepted.add_metric([deployment], s.accepted)
+            if s.acceptance_rate is not None:
+                rate.add_metric([deployment], s.acceptance_rate)
+            enabled.add_metric([deployment], s.enabled_replicas)
+        yield from (proposed, accepted, rate, enabled)
 
     def _kv_cache_usage(self, replicas: list[Replica]) -> GaugeMetricFamily:
         # The max, not the mean: a replica about to preempt requests is what an operator needs

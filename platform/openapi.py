@@ -33,6 +33,7 @@ from hotpool.platform.services import MAX_BODY_BYTES
 from hotpool.platform.usage_api import GROUPS, MAX_LIMIT, MAX_TIMESTAMP
 from hotpool.pool.replica import ReplicaState
 from hotpool.snapshot_names import SNAPSHOT_NAME
+from hotpool.worker.engine.spec.config import DEFAULT_MAX_BATCH, MAX_SPEC_TOKENS, SPEC_METHODS
 from hotpool.worker.protocol import MAX_LOGPROBS, MAX_N
 
 JSON = "application/json"
@@ -93,6 +94,39 @@ def unsupported(schema: Schema) -> Schema:
 
 STR, NUM, BOOL = text(), {"type": "number"}, {"type": "boolean"}
 NULL: Schema = {"type": "null"}
+# A deployment's speculative decoding policy: in a request (defaults filled in when stored)
+# and as stored, every default filled in (``SpeculativeConfig.to_json``).
+SPEC_NGRAM = obj({"min_n": integer(1, 64), "max_n": integer(1, 64)})
+SPECULATIVE_IN: Schema = {
+    **null(
+        obj(
+            {
+                "method": strings(*SPEC_METHODS),
+                "num_tokens": integer(1, MAX_SPEC_TOKENS),
+                "max_batch": integer(0, (1 << 31) - 1),
+                "ngram": SPEC_NGRAM,
+                "draft_snapshot": text(),
+            }
+        )
+    ),
+    "description": "Speculative decoding: `ngram` (prompt lookup, no second model) or "
+    "`draft` (`draft_snapshot`: a smaller model of the same tokenizer, a URI or a local "
+    "snapshot's name) proposes `num_tokens` (default 4) tokens a step, verified exactly (the "
+    "output's distribution is the model's own). Off while more than `max_batch` (default "
+    f"{DEFAULT_MAX_BATCH}; 0: never off) requests decode at once. null: no speculation.",
+}
+SPECULATIVE_OUT: Schema = null(
+    obj(
+        {
+            "method": strings(*SPEC_METHODS),
+            "num_tokens": integer(1, MAX_SPEC_TOKENS),
+            "max_batch": integer(0),
+            "ngram": every({"min_n": integer(1), "max_n": integer(1)}),
+            "draft_snapshot": STR,
+        },
+        ("method", "num_tokens", "max_batch"),
+    )
+)
 COUNT = integer(0)
 UNIX = integer(description="Unix time in seconds")
 PHASES = null({"type": "object", "additionalProperties": NUM})
@@ -411,6 +445,7 @@ COMPONENTS: dict[str, Schema] = {
                 {
                     "dtype": null(strings(*dep.DTYPES)),
                     "quantization": strings(*QUANTIZATIONS),
+                    "speculative": SPECULATIVE_OUT,
                     "max_model_len": null(integer(MIN_MAX_MODEL_LEN)),
                     "kv_cache_bytes": integer(1),
                 }
@@ -436,6 +471,7 @@ COMPONENTS: dict[str, Schema] = {
                 {
                     "dtype": null(strings(*dep.DTYPES)),
                     "quantization": strings(*QUANTIZATIONS),
+                    "speculative": SPECULATIVE_OUT,
                     "max_model_len": null(integer(1)),
                     "kv_cache_bytes": null(integer(1)),
                 }
@@ -536,6 +572,25 @@ COMPONENTS: dict[str, Schema] = {
                         "quantization": {
                             **null(strings(*QUANTIZATIONS)),
                             "description": "How live replicas hold weights; null once deleted.",
+                        },
+                        "speculation": {
+                            **null(
+                                every(
+                                    {
+                                        "method": strings(*SPEC_METHODS),
+                                        "num_tokens": integer(1),
+                                        "proposed": COUNT,
+                                        "accepted": COUNT,
+                                        "acceptance_rate": null(number(0, 1)),
+                                        "replicas": COUNT,
+                                        "enabled_replicas": COUNT,
+                                    }
+                                )
+                            ),
+                            "description": "Speculative decoding on the ready replicas, as "
+                            "their workers last reported (tokens since each replica loaded; "
+                            "`enabled_replicas`: those whose automatic switch has it on now); "
+                            "null without speculation.",
                         },
                         "version": {**null(integer(1)), "description": "The stable version."},
                         "canary": null(every({"version": integer(1), "percent": number(0, 100)})),
@@ -738,6 +793,7 @@ DEPLOYMENT_FIELDS: dict[str, Schema] = {
         "the activation dtype; `int8` per-channel weight-only int8 made at load; `gguf` the "
         "GGUF blocks the snapshot keeps as they are (400 for a local snapshot that keeps none).",
     },
+    "speculative": SPECULATIVE_IN,
     "max_model_len": null(integer(MIN_MAX_MODEL_LEN, INT)),
     "kv_cache_bytes": null(integer(MIN_KV_CACHE_BYTES, MAX_KV_CACHE_BYTES)),
 }
@@ -978,10 +1034,10 @@ PATHS: dict[str, dict[str, Schema]] = {
             (404, 409, 422),
             UPDATE_DEPLOYMENT,
             (NAME,),
-            "Changing what replicas run (snapshot, dtype, quantization, context length, KV "
-            "budget) makes a new version. Without `canary` it is rolled out: old replicas drain "
-            "once a new one is ready. With `canary` it takes a share of the requests beside the "
-            "stable one.",
+            "Changing what replicas run (snapshot, dtype, quantization, speculation, context "
+            "length, KV budget) makes a new version. Without `canary` it is rolled out: old "
+            "replicas drain once a new one is ready. With `canary` it takes a share of the "
+            "requests beside the stable one.",
         ),
         "delete": op(
             "delete deployment",

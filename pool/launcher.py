@@ -4,6 +4,7 @@ snapshot, unload it, stop. The pool decides when; this module does the I/O."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -82,6 +83,7 @@ class WorkerLauncher:
             spec.max_model_len,
             spec.kv_cache_bytes,
             quantization=spec.quantization,
+            speculative=None if spec.speculative is None else json.loads(spec.speculative),
         ).to_json()
         r = await self.client.post(
             f"{worker.address}/load", json=body, timeout=self.start_timeout_s

@@ -83,15 +83,15 @@ def test_db_upgrade_then_current(run: CliRunner, home: Path) -> None:
 
     result = invoke(run, "db", "upgrade")
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == "database at revision 0009"
+    assert result.stdout.strip() == "database at revision 0010"
     assert (home / "hotpool.db").is_file()
 
     result = invoke(run, "db", "current")
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == "0009"
+    assert result.stdout.strip() == "0010"
 
     # Upgrading again is a no-op.
-    assert invoke(run, "db", "upgrade").stdout.strip() == "database at revision 0009"
+    assert invoke(run, "db", "upgrade").stdout.strip() == "database at revision 0010"
 
 
 def test_db_upgrade_honours_database_url(run: CliRunner, tmp_path: Path) -> None:

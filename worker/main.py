@@ -65,6 +65,16 @@ def kv_cache_usage(service: WorkerService) -> float | None:
     return None if loaded is None else loaded.engine.engine.stats().kv_usage
 
 
+def spec_stats(service: WorkerService) -> tuple[int | None, int | None, bool | None]:
+    """Speculative decoding's proposed and accepted tokens and the switch's state, for the
+    heartbeat; Nones when the loaded engine does not speculate (or nothing is loaded)."""
+    loaded = service.loaded
+    if loaded is None or loaded.engine.engine.spec is None:
+        return None, None, None
+    s = loaded.engine.engine.stats()
+    return s.spec_proposed, s.spec_accepted, s.spec_enabled
+
+
 def run_worker(opts: WorkerOptions) -> None:
     # httpx logs every call at info: a heartbeat line every two seconds otherwise (a failed
     # heartbeat is the worker's own warning).
@@ -115,6 +125,7 @@ async def _main(opts: WorkerOptions) -> None:
             device_memory(device),
             loaded.deployment if loaded else None,
             kv_cache_usage(service),
+            *spec_stats(service),
         )
 
     serving = asyncio.create_task(server.serve(sockets=[sock]))

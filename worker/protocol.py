@@ -292,6 +292,8 @@ class LoadRequest:
     max_model_len: int | None = None  # None: the worker's setting (default: the model's)
     kv_cache_bytes: int | None = None  # None: the worker's HOTPOOL_KV_CACHE_BYTES
     quantization: str = "none"  # none, int8 (made at load) or gguf (the snapshot's blocks)
+    # The speculative decoding policy (``SpeculativeConfig``'s JSON), None for none.
+    speculative: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -332,6 +334,11 @@ class WorkerInfo:
     # Fraction of the loaded engine's KV cache blocks in use; None with no model loaded
     # (and from workers older than the field, whose payloads still parse).
     kv_cache_usage: float | None = None
+    # Speculative decoding since the model loaded: tokens proposed and accepted, and whether
+    # the automatic switch has it on now; None without speculation (or from older workers).
+    spec_proposed: int | None = None
+    spec_accepted: int | None = None
+    spec_enabled: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -343,6 +350,12 @@ class WorkerInfo:
         # It ends up in a Prometheus gauge: a string would fail every scrape, not this call.
         if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float)):
             raise TypeError(f"kv_cache_usage must be a number, not {type(usage).__name__}")
+        for name in ("spec_proposed", "spec_accepted"):
+            value = getattr(info, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an integer, not {type(value).__name__}")
+        if info.spec_enabled is not None and not isinstance(info.spec_enabled, bool):
+            raise TypeError("spec_enabled must be a boolean")
         return info
 
 

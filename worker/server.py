@@ -84,6 +84,21 @@ class _EngineCollector(Collector):
         preempt = CounterMetricFamily(
             "hotpool_preemptions", "Requests preempted for lack of KV blocks"
         )
+        proposed = CounterMetricFamily(
+            "hotpool_spec_proposed_tokens", "Tokens speculative decoding proposed"
+        )
+        accepted = CounterMetricFamily(
+            "hotpool_spec_accepted_tokens", "Proposed tokens the model accepted"
+        )
+        enabled = GaugeMetricFamily(
+            "hotpool_spec_enabled", "1 while the automatic switch has speculation on"
+        )
+        if loaded is not None and loaded.engine.engine.spec is not None:
+            s = loaded.engine.engine.stats()
+            proposed.add_metric([], s.spec_proposed)
+            accepted.add_metric([], s.spec_accepted)
+            enabled.add_metric([], float(s.spec_enabled))
+        yield from (proposed, accepted, enabled)
         if loaded is not None:
             s = loaded.engine.engine.stats()
             reqs.add_metric(["running"], s.num_running)

@@ -24,6 +24,9 @@ from hotpool.worker.choices import Choices, engine_requests
 from hotpool.worker.engine.async_engine import AsyncEngine
 from hotpool.worker.engine.base import EngineRequest, RequestRejected
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
+from hotpool.worker.engine.spec.config import SpeculativeConfig
+from hotpool.worker.engine.spec.draft import DraftModelProposer
+from hotpool.worker.engine.spec.proposer import Proposer
 from hotpool.worker.host_cache import HostKey, HostModelCache
 from hotpool.worker.models.llama import LlamaModel
 from hotpool.worker.models.loader import DTYPES, ModelLoadError, load_model
@@ -163,8 +166,10 @@ class WorkerService:
                 max_model_len=req.max_model_len or self.engine_config.max_model_len,
                 kv_cache_bytes=req.kv_cache_bytes or self.engine_config.kv_cache_bytes,
             )
+            spec, proposer = self._speculation(req, dtype, model, tokenizer, config)
+            config = replace(config, speculative=spec)
             try:
-                engine = LLMEngine(model, self.device, config)
+                engine = LLMEngine(model, self.device, config, proposer)
             except (OverflowError, MemoryError, OSError, torch.OutOfMemoryError) as exc:
                 # The KV cache this deployment asks for cannot be had here: the cold start
                 # fails with that said (an unhandled error ended the worker process).
@@ -184,6 +189,48 @@ class WorkerService:
         loaded.prepare_grammars()
         result = LoadResult(req.deployment, manifest.digest, tier != "remote", phases, tier)
         return result, loaded
+
+    def _speculation(
+        self,
+        req: LoadRequest,
+        dtype: torch.dtype,
+        model: LlamaModel,
+        tokenizer: TextTokenizer,
+        config: EngineConfig,
+    ) -> tuple[SpeculativeConfig | None, Proposer | None]:
+        """The deployment's speculative decoding policy, and for a draft model its proposer
+        (the draft fetched and loaded in the target's dtype, its KV cache a quarter of the
+        target's budget)."""
+        if req.speculative is None:
+            return None, None
+        try:
+            spec = SpeculativeConfig.from_json(req.speculative)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
+        if spec.method != "draft":
+            return spec, None
+        assert spec.draft_snapshot is not None
+        # Not pinned: the draft's weights are in memory once loaded.
+        snap = self.cache.fetch(spec.draft_snapshot)
+        draft = load_model(snap.path, self.device, dtype)
+        probe = "The quick brown fox, 12 tokens: ßüé 漢字 <tag> def f(x):\n\treturn x"
+        if TextTokenizer(snap.path).encode(probe) != tokenizer.encode(probe):
+            raise ModelLoadError(
+                f"the draft model at {spec.draft_snapshot} does not share the model's tokenizer "
+                "(a test text tokenizes differently): its proposals would never be accepted"
+            )
+        try:
+            proposer = DraftModelProposer(
+                draft,
+                self.device,
+                kv_cache_bytes=max(config.kv_cache_bytes // 4, 1 << 20),
+                max_num_seqs=config.max_num_seqs,
+                target_vocab_size=model.config.vocab_size,
+            )
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
+        _warm_up(proposer.engine)
+        return spec, proposer
 
     async def unload(self) -> None:
         async with self._lock:

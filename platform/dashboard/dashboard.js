@@ -513,6 +513,18 @@ function deploymentState(d) {
   return "scaled to zero";
 }
 
+// Speculative decoding beside the deployment: its method and k, the share of proposed tokens
+// its ready replicas accepted, and "off" while the automatic switch has it off on all of them.
+function formatSpeculation(s) {
+  if (!s) return "–";
+  const what = `${s.method} k=${s.num_tokens}`;
+  if (!s.replicas) return what;
+  const rate = s.acceptance_rate === null ? "no proposals yet"
+    : `${Math.round(100 * s.acceptance_rate)}% accepted`;
+  const off = s.enabled_replicas === 0 ? ", off under load" : "";
+  return `${what} · ${rate}${off}`;
+}
+
 function drawDeployments(summary) {
   $("table-deployments").classList.toggle("all-tenants", summary.tenant === null && state.me.admin);
   const showTenant = state.me.admin && state.me.auth !== "off";
@@ -535,6 +547,7 @@ function drawDeployments(summary) {
     cell(row, formatAgo(d.last_request_at));
     // How its replicas hold the linear weights: dense, int8 or the GGUF's own blocks.
     cell(row, !d.live ? "–" : d.quantization === "none" ? "dense" : d.quantization);
+    cell(row, formatSpeculation(d.speculation));
   }
 }
 

@@ -365,7 +365,7 @@ def test_migration_0003_up_and_down(db: Database, store: KeyStore) -> None:
         ]
 
     db.upgrade()
-    assert db.current_revision() == "0009"
+    assert db.current_revision() == "0010"
     assert store.list() == []
     [event] = Ledger(db).events()
     assert (event.request_id, event.api_key_id) == ("kept", None)

@@ -28,7 +28,7 @@ LEDGER_TABLES = {
     "usage_rollups_hourly",
     "deployment_versions",
 }
-HEAD = "0009"
+HEAD = "0010"
 
 
 def _tables(db: Database) -> set[str]:
@@ -294,6 +294,37 @@ def test_migration_0008_makes_each_deployment_its_stable_version(empty_db: Datab
     assert empty_db.current_revision() == HEAD
 
 
+def test_migration_0010_gives_deployments_and_versions_no_speculation(
+    empty_db: Database,
+) -> None:
+    empty_db.upgrade("0009")
+    with empty_db.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO deployments (name, tenant_id, snapshot_uri, min_replicas, max_replicas,"
+            " target_concurrency, idle_timeout_s, created_at, updated_at, generation)"
+            " VALUES ('chat', 1, 'file:///s', 0, 1, 8, 300, '2025-01-01 00:00:00',"
+            " '2025-01-02 00:00:00', 1)"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO deployment_versions (deployment_id, version, snapshot_uri, created_at)"
+            " SELECT id, 1, snapshot_uri, updated_at FROM deployments"
+        )
+    empty_db.upgrade()
+    store = DeploymentStore(empty_db)
+    chat = store.get("chat")
+    assert chat is not None and chat.speculative is None
+    policy = '{"max_batch":4,"method":"ngram","num_tokens":3}'
+    spec = store.update("chat", speculative=policy)  # a new version: replicas run differently
+    assert spec.generation == 2 and store.version("chat", 2).speculative == policy
+    assert store.version("chat", 1).speculative is None
+
+    empty_db.downgrade("0009")
+    assert "speculative" not in _columns(empty_db, "deployments")
+    assert "speculative" not in _columns(empty_db, "deployment_versions")
+    empty_db.upgrade()
+    assert empty_db.current_revision() == HEAD
+
+
 def test_migration_0009_gives_deployments_and_versions_no_quantization(
     empty_db: Database,
 ) -> None:
@@ -402,7 +433,7 @@ def test_migrations_ship_inside_the_package() -> None:
     assert (folder / "versions" / "0006_usage_rollups.py").is_file()
     assert (folder / "versions" / "0007_scale_event_details.py").is_file()
     assert (folder / "versions" / "0008_deployment_versions.py").is_file()
-    assert (folder / "versions" / "0009_deployment_quantization.py").is_file()
+    assert (folder / "versions" / "0010_deployment_speculative.py").is_file()
     script = ScriptDirectory(str(folder))
     assert script.get_heads() == [HEAD]
 

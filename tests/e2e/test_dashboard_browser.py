@@ -119,19 +119,22 @@ def board(tmp_path_factory: pytest.TempPathFactory, smollm2_snapshot_bf16: Path)
         b = Board(server, keys, deployments)
         # Real traffic for alpha: a deployment of SmolLM2, a cold start, three requests.
         deploy = {"authorization": f"Bearer {keys['alpha:invoke,deploy']}"}
-        spec = {"name": "alpha-live", "snapshot_uri": uri, "idle_timeout_s": 600}
+        # With n-gram speculation, whose figures the workers' heartbeats bring to the page.
+        spec = {"name": "alpha-live", "snapshot_uri": uri, "idle_timeout_s": 600,
+                "speculative": {"method": "ngram", "num_tokens": 3}}  # fmt: skip
         r = httpx.post(f"{server.url}/v1/deployments", json=spec, headers=deploy)
         assert r.status_code == 201, r.text
         deployments["alpha"].add("alpha-live")
         for i in range(3):
-            body = {"model": "alpha-live", "prompt": f"Count to {i + 3}:", "max_tokens": 4}
+            prompt = f"Count to {i + 3}: 1, 2, 3, 1, 2, 3, 1, 2,"
+            body = {"model": "alpha-live", "prompt": prompt, "max_tokens": 8}
             r = httpx.post(f"{server.url}/v1/completions", json=body, headers=deploy, timeout=120)
             assert r.status_code == 200, r.text
         # The scale-up's phases are written once the replica is ready; the ledger off the
         # request path: wait for both.
         server.wait_for(
-            "the cold start's phases and the ledger rows",
-            lambda: _has_phases(b) and _live_requests(b) == 3,
+            "the cold start's phases, the ledger rows and a heartbeat's speculation figures",
+            lambda: _has_phases(b) and _live_requests(b) == 3 and _proposed(b) > 0,
             timeout_s=30,
         )
         # A canary of alpha-live (a new max_model_len is a new version), with some traffic
@@ -162,6 +165,12 @@ def _seed_versions(home: Path, now: datetime) -> None:
 def _has_phases(b: Board) -> bool:
     summary = b.get("/v1/usage/summary", "alpha:usage")
     return any(e["phases"] for e in summary["scale_events"] if e["deployment"] == "alpha-live")
+
+
+def _proposed(b: Board) -> int:
+    summary = b.get("/v1/usage/summary", "alpha:usage")
+    live = next(d for d in summary["deployments"] if d["name"] == "alpha-live")
+    return int((live["speculation"] or {}).get("proposed", 0))
 
 
 def _live_requests(b: Board) -> int:
@@ -342,6 +351,11 @@ def test_a_tenant_sees_its_own_totals_in_every_chart_and_range(
     row = page.locator("#table-deployments tbody tr[data-name='alpha-live'] td")
     assert row.nth(2).inner_text() == "ready"
     assert live["quantization"] == "none" and row.nth(8).inner_text() == "dense"
+    spec = live["speculation"]
+    assert spec["method"] == "ngram" and spec["num_tokens"] == 3 and spec["proposed"] > 0
+    assert 0 <= spec["accepted"] <= spec["proposed"] and spec["replicas"] == 1
+    shown = row.nth(9).inner_text()
+    assert shown.startswith("ngram k=3 · ") and shown.endswith("% accepted"), shown
     cold = seen["charts"]["chart-cold-starts"]
     assert {"load", "warmup"} <= {d["label"] for d in cold["datasets"]}
     canary = next(d for d in seen["summary"]["deployments"] if d["name"] == "alpha-live")

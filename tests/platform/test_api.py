@@ -335,6 +335,7 @@ def test_create_deployment_shows_everywhere(client: TestClient, snapshot: Path) 
     assert created["engine"] == {
         "dtype": None,
         "quantization": "none",
+        "speculative": None,
         "max_model_len": None,
         "kv_cache_bytes": 1 << 30,
     }
@@ -531,6 +532,25 @@ def test_a_model_type_workers_cannot_run_is_422(client: TestClient, tmp_path: Pa
         ({"quantization": "INT8"}, "quantization"),
         ({"quantization": 8}, "quantization"),
         ({"quantization": ["gguf"]}, "quantization"),
+        ({"speculative": "ngram"}, "speculative"),
+        ({"speculative": {"method": "eagle"}}, "speculative"),
+        ({"speculative": {"num_tokens": 0}}, "speculative"),
+        ({"speculative": {"num_tokens": 17}}, "speculative"),
+        ({"speculative": {"num_tokens": 2.5}}, "speculative"),
+        ({"speculative": {"max_batch": -1}}, "speculative"),
+        ({"speculative": {"ngram": {"min_n": 3, "max_n": 2}}}, "speculative"),
+        ({"speculative": {"ngram": {"n": 3}}}, "speculative"),
+        ({"speculative": {"k": 3}}, "speculative"),
+        ({"speculative": {"method": "draft"}}, "speculative"),
+        ({"speculative": {"draft_snapshot": "s3://bucket/d"}}, "speculative"),
+        (
+            {"speculative": {"method": "draft", "draft_snapshot": "nope"}},
+            "speculative.draft_snapshot",
+        ),
+        (
+            {"speculative": {"method": "draft", "draft_snapshot": "http://x/y"}},
+            "speculative.draft_snapshot",
+        ),
         ({"max_model_len": 8}, "max_model_len"),
         ({"kv_cache_bytes": 1024}, "kv_cache_bytes"),
         ({"kv_cache_bytes": (1 << 44) + 1}, "kv_cache_bytes"),  # more than any machine holds
@@ -628,6 +648,42 @@ def test_quantization_is_an_engine_option_each_change_a_new_version(
     assert versions[1]["changes"] == {"quantization": ["int8", "none"]}
     err = error_of(client.patch("/v1/deployments/tiny", json={"quantization": "fp8"}), 400)
     assert err["param"] == "quantization" and "none, int8, gguf" in err["message"]
+
+
+def test_speculative_is_an_engine_option_stored_with_its_defaults(
+    client: TestClient, snapshot: Path
+) -> None:
+    r = deploy(client, snapshot, speculative={"method": "ngram", "num_tokens": 3})
+    assert r.status_code == 201, r.text
+    stored = {"method": "ngram", "num_tokens": 3, "max_batch": 4,
+              "ngram": {"min_n": 1, "max_n": 4}}  # fmt: skip
+    assert r.json()["engine"]["speculative"] == stored
+    # The same policy written differently is no change; another k is a new version.
+    r = client.patch("/v1/deployments/tiny", json={"speculative": {"num_tokens": 3}})
+    assert r.json()["version"] == 1
+    r = client.patch("/v1/deployments/tiny", json={"speculative": {"num_tokens": 6}})
+    assert (r.json()["version"], r.json()["engine"]["speculative"]["num_tokens"]) == (2, 6)
+    r = client.patch("/v1/deployments/tiny", json={"speculative": None})  # off
+    assert (r.json()["version"], r.json()["engine"]["speculative"]) == (3, None)
+    versions = client.get("/v1/deployments/tiny/versions").json()["data"]
+    assert [v["engine"]["speculative"] and v["engine"]["speculative"]["num_tokens"]
+            for v in versions] == [3, 6, None]  # fmt: skip
+    err = error_of(client.patch("/v1/deployments/tiny", json={"speculative": {"k": 2}}), 400)
+    assert err["param"] == "speculative" and "num_tokens" in err["message"]
+
+
+def test_a_draft_model_resolves_by_name_in_the_local_store(
+    client: TestClient, snapshot: Path
+) -> None:
+    # A local draft is checked now, as snapshot_uri is; the stored policy holds its URI.
+    draft = {"method": "draft", "draft_snapshot": f"file://{snapshot}/"}
+    r = deploy(client, snapshot, speculative=draft)
+    assert r.status_code == 201, r.text
+    assert r.json()["engine"]["speculative"]["draft_snapshot"] == f"file://{snapshot}"
+    missing = {"method": "draft", "draft_snapshot": f"file://{snapshot}-missing"}
+    r = client.patch("/v1/deployments/tiny", json={"speculative": missing})
+    err = error_of(r, 422)
+    assert err["param"] == "speculative.draft_snapshot"
 
 
 def _with_gguf_blocks(folder: Path, quantized: Any) -> Path:

@@ -183,3 +183,46 @@ def test_a_worker_serves_the_snapshots_gguf_blocks_quantized(
     with pytest.raises(ModelLoadError, match="keeps no GGUF blocks"):
         asyncio.run(service.load(LoadRequest("d", f"file://{smollm2_snapshot_fp32}", "fp32",
                                              quantization="gguf")))  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_deployments_speculation_reaches_its_engine_and_heartbeat(
+    tmp_path: Path, smollm2_snapshot_fp32: Path
+) -> None:
+    # n-gram and a draft model (SmolLM2 drafting for itself, fetched through the cache like
+    # any snapshot): the same greedy answer as without, the figures in the heartbeat's info.
+    from hotpool.worker.main import spec_stats
+
+    service = WorkerService(
+        SnapshotCache(tmp_path / "cache"),
+        torch.device("cpu"),
+        EngineConfig(kv_cache_bytes=32 << 20),
+    )
+    uri = f"file://{smollm2_snapshot_fp32}"
+    policies = [
+        None,
+        {"method": "ngram", "num_tokens": 3, "max_batch": 0},
+        {"method": "draft", "draft_snapshot": uri, "num_tokens": 3, "max_batch": 0},
+    ]
+
+    async def scenario() -> list[tuple[str, tuple[int | None, int | None, bool | None]]]:
+        seen = []
+        for policy in policies:
+            await service.load(LoadRequest("d", uri, "fp32", speculative=policy))
+            req = GenerateRequest(
+                "t", SamplingParams(max_tokens=24, temperature=0.0),
+                prompt="Repeat after me: one two three, one two three, one two three,",
+            )  # fmt: skip
+            answer = "".join([e.text async for e in service.generate(req)])
+            seen.append((answer, spec_stats(service)))
+            await service.unload()
+        return seen
+
+    (plain, none), (ngram, by_ngram), (draft, by_draft) = asyncio.run(scenario())
+    assert none == (None, None, None) and plain.strip()
+    assert ngram == plain and draft == plain
+    assert by_ngram[0] and by_ngram[2] is True
+    proposed, accepted, _ = by_draft
+    assert proposed and accepted is not None and accepted >= 0.9 * proposed  # itself: ~all
+    with pytest.raises(ModelLoadError, match="num_tokens"):
+        asyncio.run(service.load(LoadRequest("d", uri, "fp32", speculative={"num_tokens": 99})))
