@@ -23,8 +23,7 @@ from hotpool.billing.deployments import (
 from hotpool.billing.models import QUANTIZATIONS
 from hotpool.platform.errors import APIError, invalid, json_object
 from hotpool.snapshot_names import SnapshotNameError, is_bare_name, resolve_snapshot
-from hotpool.worker.engine.spec.config import SpeculativeConfig
-from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES
+from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES, SpeculativeConfig
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 # S3's bucket naming rule (what MinIO and other S3-compatible stores hold to as well), and a

@@ -86,27 +86,26 @@ class _PoolCollector(Collector):
 
     def _speculation(self) -> Iterator[GaugeMetricFamily]:
         # Gauges, not counters: a sum over live replicas drops when one drains.
-        label = ["deployment"]
         proposed = GaugeMetricFamily(
             "hotpool_spec_proposed_tokens",
             "Tokens speculative decoding proposed, summed over the deployment's ready replicas"
             " since each loaded",
-            labels=label,
+            labels=["deployment"],
         )
         accepted = GaugeMetricFamily(
             "hotpool_spec_accepted_tokens",
             "Proposed tokens the model accepted, summed as hotpool_spec_proposed_tokens",
-            labels=label,
+            labels=["deployment"],
         )
         rate = GaugeMetricFamily(
             "hotpool_spec_acceptance_ratio",
             "Accepted over proposed tokens on the deployment's ready replicas",
-            labels=label,
+            labels=["deployment"],
         )
         enabled = GaugeMetricFamily(
             "hotpool_spec_enabled_replicas",
             "Ready replicas whose automatic switch has speculation on now (off under load)",
-            labels=label,
+            labels=["deployment"],
         )
         for deployment, s in sorted(deployment_spec_stats(self.pool).items()):
             proposed.add_metric([deployment], s.proposed)

@@ -33,8 +33,13 @@ from hotpool.platform.services import MAX_BODY_BYTES
 from hotpool.platform.usage_api import GROUPS, MAX_LIMIT, MAX_TIMESTAMP
 from hotpool.pool.replica import ReplicaState
 from hotpool.snapshot_names import SNAPSHOT_NAME
-from hotpool.worker.engine.spec.config import DEFAULT_MAX_BATCH, MAX_SPEC_TOKENS, SPEC_METHODS
-from hotpool.worker.protocol import MAX_LOGPROBS, MAX_N
+from hotpool.worker.protocol import (
+    DEFAULT_MAX_BATCH,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_SPEC_TOKENS,
+    SPEC_METHODS,
+)
 
 JSON = "application/json"
 Schema = dict[str, Any]

@@ -284,6 +284,105 @@ class GenerateEvent:
 _new = object.__new__
 
 
+# A deployment's speculative decoding policy, as the control plane validates it and the
+# load request carries it (``LoadRequest.speculative``); the engine's proposers and its
+# automatic switch (``hotpool.worker.engine.spec``) run it.
+@dataclass(frozen=True)
+class NgramConfig:
+    """The n-gram lengths tried, longest first."""
+
+    min_n: int = 1
+    max_n: int = 4
+
+    def __post_init__(self) -> None:
+        if self.min_n < 1:
+            raise ValueError(f"min_n must be >= 1, got {self.min_n}")
+        if self.max_n < self.min_n:
+            raise ValueError(f"max_n must be >= min_n ({self.min_n}), got {self.max_n}")
+
+
+SpecMethod = Literal["ngram", "draft"]
+SPEC_METHODS: tuple[SpecMethod, ...] = ("ngram", "draft")
+MAX_SPEC_TOKENS = 16  # k beyond this verifies mostly rejected positions
+# Speculation is on while at most this many requests decode in a step. Measured with
+# benchmarks/bench_spec.py on SmolLM2 (fp32, 2 AVX2 cores): n-gram speculation at k = 4 wins
+# at 1-4 decoding sequences and loses from 8 on, where a step's cost grows with its tokens.
+DEFAULT_MAX_BATCH = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: SpecMethod = "ngram"
+    num_tokens: int = 4  # k: tokens proposed per request and step
+    # The automatic switch: off while more than ``max_batch`` requests decode in a step, on
+    # again once at most ``max_batch // 2`` do (a gap, so a batch size on the edge does not
+    # flip it every step). 0 keeps it on at every batch size.
+    max_batch: int = DEFAULT_MAX_BATCH
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    draft_snapshot: str | None = None  # method "draft": the draft model's snapshot URI
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            known = ", ".join(SPEC_METHODS)
+            raise ValueError(f"method must be one of {known}, got {self.method!r}")
+        if not 1 <= self.num_tokens <= MAX_SPEC_TOKENS:
+            raise ValueError(f"num_tokens must be in [1, {MAX_SPEC_TOKENS}], got {self.num_tokens}")
+        if self.max_batch < 0:
+            raise ValueError(f"max_batch must be >= 0, got {self.max_batch}")
+        if (self.method == "draft") != (self.draft_snapshot is not None):
+            raise ValueError(
+                "draft_snapshot is required with method 'draft'"
+                if self.method == "draft"
+                else "draft_snapshot goes only with method 'draft'"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "method": self.method,
+            "num_tokens": self.num_tokens,
+            "max_batch": self.max_batch,
+        }
+        if self.method == "ngram":
+            out["ngram"] = {"min_n": self.ngram.min_n, "max_n": self.ngram.max_n}
+        if self.draft_snapshot is not None:
+            out["draft_snapshot"] = self.draft_snapshot
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SpeculativeConfig:
+        """The config from its JSON form; ValueError naming the field that is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("speculative must be an object")
+        known = {"method", "num_tokens", "max_batch", "ngram", "draft_snapshot"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown field(s) in speculative: {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(known))})"
+            )
+        for name in ("num_tokens", "max_batch"):
+            if name in data and (type(data[name]) is not int):
+                raise ValueError(f"speculative.{name} must be an integer")
+        for name in ("method", "draft_snapshot"):
+            if data.get(name) is not None and not isinstance(data[name], str):
+                raise ValueError(f"speculative.{name} must be a string")
+        ngram = data.get("ngram") or {}
+        if not isinstance(ngram, dict) or set(ngram) - {"min_n", "max_n"}:
+            raise ValueError("speculative.ngram must be an object with min_n and/or max_n")
+        if any(type(v) is not int for v in ngram.values()):
+            raise ValueError("speculative.ngram.min_n and max_n must be integers")
+        try:
+            return cls(
+                method=data.get("method", "ngram"),
+                num_tokens=data.get("num_tokens", 4),
+                max_batch=data.get("max_batch", DEFAULT_MAX_BATCH),
+                ngram=NgramConfig(**ngram),
+                draft_snapshot=data.get("draft_snapshot"),
+            )
+        except ValueError as exc:
+            raise ValueError(f"speculative: {exc}") from None
+
+
 @dataclass(frozen=True)
 class LoadRequest:
     deployment: str

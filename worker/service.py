@@ -24,7 +24,6 @@ from hotpool.worker.choices import Choices, engine_requests
 from hotpool.worker.engine.async_engine import AsyncEngine
 from hotpool.worker.engine.base import EngineRequest, RequestRejected
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
-from hotpool.worker.engine.spec.config import SpeculativeConfig
 from hotpool.worker.engine.spec.draft import DraftModelProposer
 from hotpool.worker.engine.spec.proposer import Proposer
 from hotpool.worker.host_cache import HostKey, HostModelCache
@@ -37,6 +36,7 @@ from hotpool.worker.protocol import (
     LoadRequest,
     LoadResult,
     SamplingParams,
+    SpeculativeConfig,
 )
 from hotpool.worker.snapshot.cache import SnapshotCache
 from hotpool.worker.structured.grammar import GrammarCompiler, GrammarError

@@ -20,12 +20,11 @@ from tiny_llama import TINY, tiny_model
 
 from hotpool.worker.engine.base import EngineRequest, RequestOutput
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
-from hotpool.worker.engine.spec.config import SpeculativeConfig
 from hotpool.worker.engine.spec.draft import DraftModelProposer
 from hotpool.worker.engine.spec.proposer import ProposalInput, Proposer
 from hotpool.worker.models.attention import PagedKVCache
 from hotpool.worker.models.loader import load_model
-from hotpool.worker.protocol import ChatMessage, SamplingParams
+from hotpool.worker.protocol import ChatMessage, SamplingParams, SpeculativeConfig
 from hotpool.worker.tokenizer import TextTokenizer
 
 CPU = torch.device("cpu")

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hotpool.worker.engine.spec.ngram import NgramConfig, NgramProposer
+from hotpool.worker.engine.spec.ngram import NgramProposer
 from hotpool.worker.engine.spec.proposer import ProposalInput
+from hotpool.worker.protocol import NgramConfig
 
 
 def rescan(tokens: Sequence[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:

@@ -27,10 +27,11 @@ from hotpool.worker.engine.kv_groups import kv_cache_groups
 from hotpool.worker.engine.model_runner import ModelRunner
 from hotpool.worker.engine.request import Request
 from hotpool.worker.engine.scheduler import Scheduler, SchedulerConfig
-from hotpool.worker.engine.spec.config import SpecSwitch, SpeculativeConfig
 from hotpool.worker.engine.spec.proposer import ProposalInput, Proposer
+from hotpool.worker.engine.spec.switch import SpecSwitch
 from hotpool.worker.models.attention import PagedKVCache
 from hotpool.worker.models.llama import LlamaModel
+from hotpool.worker.protocol import SpeculativeConfig
 
 _GRAMMAR_FAULT = "the sampled token is not one the request's grammar allows; generation stopped"
 

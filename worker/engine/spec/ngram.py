@@ -18,9 +18,9 @@ each, released with the request.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from hotpool.worker.engine.spec.proposer import ProposalInput, Proposer
+from hotpool.worker.protocol import NgramConfig
 
 # An n-gram's key packs its tokens 32 bits each under a marker bit at 32 * n, so keys of
 # different lengths never collide and one dict serves every n. Exact: no hashing of ours.
@@ -29,20 +29,6 @@ _TOKEN_LIMIT = 1 << _TOKEN_BITS
 # Up to this many new tokens (a decode step's) are indexed one by one; more (a prompt) a list
 # at a time, which costs more to set up and less per token.
 _FEW = 8
-
-
-@dataclass(frozen=True)
-class NgramConfig:
-    """The n-gram lengths tried, longest first."""
-
-    min_n: int = 1
-    max_n: int = 4
-
-    def __post_init__(self) -> None:
-        if self.min_n < 1:
-            raise ValueError(f"min_n must be >= 1, got {self.min_n}")
-        if self.max_n < self.min_n:
-            raise ValueError(f"max_n must be >= min_n ({self.min_n}), got {self.max_n}")
 
 
 class _Index:
