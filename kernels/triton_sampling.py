@@ -302,11 +302,13 @@ def _sample_kernel(
             st = tl.sum(st_l * tl.exp((m_l - mt2) * inv_t2), axis=1)
             keep, w = survives(tops, mt2, inv_t2, xmin2, min_p2)
             by_tops = tile_bound(tops, tl.where(keep, w, 0.0), top_p * st * 1.001)
+            # 1.2e-38: the least normal float32 and a bit; Triton types a smaller literal
+            # float64, and Triton 3.6 then promotes the cut to float64 (seen on an H200).
             least = tl.where(min_p > 0.0, 1.0, st) * (1.0 - top_p) / V
-            by_v = mt + (tl.log(tl.maximum(least, 1e-38)) - _SLACK) / inv_t
+            by_v = mt + (tl.log(tl.maximum(least, 1.2e-38)) - _SLACK) / inv_t
             cut = tl.where(p_only, tl.maximum(by_tops, by_v), cut)
         # min_p keeps weights >= min_p: logits >= m + T * log(min_p).
-        by_min_p = mt + (tl.log(tl.maximum(min_p, 1e-38)) - _SLACK) / inv_t
+        by_min_p = mt + (tl.log(tl.maximum(min_p, 1.2e-38)) - _SLACK) / inv_t
         search = k_todo | p_todo
         cut = tl.where(search & (min_p > 0.0), tl.maximum(cut, by_min_p), cut)
         gathered = search & (cut > float("-inf")) & (SLOTS > 0)  # no slots: as before them

@@ -372,6 +372,7 @@ def _warm_up(engine: LLMEngine) -> None:
     engine.add_request(req)
     while engine.has_unfinished():
         engine.step()
+    engine.capture_decode_graphs()  # on CUDA: in the warm-up phase of the cold start
 
 
 __all__ = ["NotLoaded", "RequestRejected", "WorkerService", "pick_device"]

@@ -22,6 +22,7 @@ from hotpool.worker.engine.base import (
     RequestOutput,
     RequestRejected,
 )
+from hotpool.worker.engine.decode_graphs import DecodeGraphs, graph_batch_sizes, graphs_wanted
 from hotpool.worker.engine.kv_cache_manager import KVCacheManager
 from hotpool.worker.engine.kv_groups import kv_cache_groups
 from hotpool.worker.engine.model_runner import ModelRunner
@@ -49,6 +50,10 @@ class EngineConfig:
     attention_backend: str | None = None  # "torch", "native" (C, bf16 on the CPU), "triton"
     sampler_backend: str | None = None  # "torch", "triton", "reference"
     speculative: SpeculativeConfig | None = None  # None: one token per request and step
+    # Decode steps replayed as CUDA graphs (``decode_graphs``). None: on CUDA for dense
+    # models unless HOTPOOL_CUDA_GRAPHS=0. True on the CPU runs the same static-buffer
+    # runner without capturing (what tests check it with).
+    cuda_graphs: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -99,9 +104,10 @@ class LLMEngine(Engine):
             raise ValueError(
                 f"kv_cache_bytes={config.kv_cache_bytes} is less than one block ({per_block} bytes)"
             )
+        graphs = graphs_wanted(device, model) if config.cuda_graphs is None else config.cuda_graphs
         self.kv_cache = PagedKVCache(
             cfg.num_hidden_layers,
-            num_blocks,
+            num_blocks + (1 if graphs else 0),  # the graphs' scratch block, past the pool
             config.block_size,
             cfg.num_key_value_heads,
             cfg.head_dim,
@@ -128,6 +134,13 @@ class LLMEngine(Engine):
             config.sampler_backend,
             groups.layer_group if groups.num_groups > 1 else (),
         )
+        self.decode_graphs: DecodeGraphs | None = None
+        if graphs:
+            self.decode_graphs = DecodeGraphs(
+                model, self.kv_cache, self.runner.attention, self.runner.layer_group,
+                self.runner.num_groups, self.max_model_len, scratch_block=num_blocks,
+                sizes=graph_batch_sizes(config.max_num_seqs), capture=device.type == "cuda",
+            )  # fmt: skip
         self.spec = config.speculative
         self.proposer: Proposer | None = None
         self.spec_switch: SpecSwitch | None = None
@@ -140,6 +153,16 @@ class LLMEngine(Engine):
         self._last_step = (0.0, 0)
         # Called after every step with (seconds, batched tokens): the worker's metrics hook.
         self.on_step: Callable[[float, int], None] | None = None
+
+    def capture_decode_graphs(self) -> float:
+        """Capture the decode graphs (the cold start's warm-up calls it, after a first
+        request has compiled the kernels); the seconds it took, 0 without graphs. Decode
+        steps replay them from then on."""
+        if self.decode_graphs is None:
+            return 0.0
+        seconds = self.decode_graphs.capture()
+        self.runner.graphs = self.decode_graphs
+        return seconds
 
     def add_request(self, request: EngineRequest) -> None:
         n = len(request.prompt_token_ids)

@@ -16,6 +16,7 @@ import torch
 from hotpool.kernels.paged_attention import decode_key_bias
 from hotpool.kernels.sampling import NonFiniteLogitsError, SamplingRow, sample
 from hotpool.worker.engine.base import SampledToken
+from hotpool.worker.engine.decode_graphs import DecodeGraphs, DecodeRow
 from hotpool.worker.engine.grammar import token_bitmask
 from hotpool.worker.engine.request import Request
 from hotpool.worker.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -62,6 +63,8 @@ class ModelRunner:
         # sampler's share of a step, which benchmarks/bench_sampling.py holds to 5%. On a GPU
         # it also holds the wait for the forward pass (the results' copy to the host waits).
         self.sampler_seconds = 0.0
+        # Set once captured (``LLMEngine.capture_decode_graphs``): plain decode steps replay.
+        self.graphs: DecodeGraphs | None = None
 
     def release(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
@@ -72,6 +75,12 @@ class ModelRunner:
         decodes = [s for s in step.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in step.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
+        if not prefills and (graph_logits := self._graph_step(decodes)) is not None:
+            rows = [i for i, s in enumerate(decodes) if s.samples]
+            if not rows:
+                return StepOutput({}, {})
+            logits = graph_logits if len(rows) == len(decodes) else graph_logits[rows]
+            return self._sampled([(decodes[r], i) for i, r in enumerate(rows)], [], logits)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[list[int]] = [[] for _ in range(self.num_groups)]  # per layer group
@@ -107,6 +116,32 @@ class ModelRunner:
         for s in samplers:
             (specs if s.spec_token_ids else plain).append((s, row))
             row += len(s.spec_token_ids) + 1
+        return self._sampled(plain, specs, logits)
+
+    def _graph_step(self, decodes: list[ScheduledRequest]) -> torch.Tensor | None:
+        """The logits of every decode row, replayed from a captured graph; None where this
+        step runs eagerly (no graphs, proposals to verify, or a batch that does not fit)."""
+        graphs = self.graphs
+        if graphs is None or not decodes or any(s.spec_token_ids for s in decodes):
+            return None
+        width = max(len(t) for s in decodes for t in s.group_block_ids)
+        if not graphs.fits(len(decodes), width):
+            return None
+        bs = self.kv.block_size
+        rows = []
+        for s in decodes:
+            pos = s.start
+            (token,) = _tokens(s.request, pos, pos + 1)
+            slots = tuple(t[pos // bs] * bs + pos % bs for t in s.group_block_ids)
+            rows.append(DecodeRow(token, pos, slots, tuple(s.group_block_ids)))
+        return graphs.run(rows)
+
+    def _sampled(
+        self,
+        plain: list[tuple[ScheduledRequest, int]],
+        specs: list[tuple[ScheduledRequest, int]],
+        logits: torch.Tensor,
+    ) -> StepOutput:
         sampled: dict[str, list[SampledToken]] = {}
         failed: dict[str, str] = {}
         t0 = time.perf_counter()
