@@ -28,6 +28,7 @@ from hotpool.worker.engine.kv_groups import kv_cache_groups
 from hotpool.worker.engine.model_runner import ModelRunner
 from hotpool.worker.engine.request import Request
 from hotpool.worker.engine.scheduler import Scheduler, SchedulerConfig
+from hotpool.worker.engine.spec.lengths import ProposalLengths
 from hotpool.worker.engine.spec.proposer import ProposalInput, Proposer
 from hotpool.worker.engine.spec.switch import SpecSwitch
 from hotpool.worker.models.attention import PagedKVCache
@@ -147,6 +148,8 @@ class LLMEngine(Engine):
         if self.spec is not None:
             self.proposer = proposer or _default_proposer(self.spec)
             self.spec_switch = SpecSwitch(self.spec.max_batch)
+        # Per request, how many tokens to propose from how its last proposals fared.
+        self.spec_lengths = ProposalLengths(self.spec.num_tokens if self.spec else 1)
         self._spec_counts = [0, 0]  # proposed, accepted
         self._arrivals = itertools.count()
         self._steps = 0
@@ -220,6 +223,7 @@ class LLMEngine(Engine):
         self.runner.release(request_id)
         if self.proposer is not None:
             self.proposer.release(request_id)
+            self.spec_lengths.release(request_id)
 
     def _propose(self) -> None:
         """Guesses for each running request about to decode, unless the switch is off.
@@ -229,15 +233,20 @@ class LLMEngine(Engine):
         decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         if not self.spec_switch.update(len(decoding)):
             return
-        ready = [r for r in decoding if r.grammar is None and r.spec_room(self.max_model_len)]
+        ready = []
+        for r in decoding:
+            room = r.spec_room(self.max_model_len) if r.grammar is None else 0
+            want = min(room, self.spec_lengths.next(r.request_id)) if room else 0
+            if want:
+                ready.append((r, want))
         if not ready:
             return
         guesses = self.proposer.propose(
-            [ProposalInput(r.request_id, r.prompt_token_ids, r.output_token_ids) for r in ready],
-            self.spec.num_tokens,
+            [ProposalInput(r.request_id, r.prompt_token_ids, r.output_token_ids) for r, _ in ready],
+            max(want for _, want in ready),
         )
-        for r, guess in zip(ready, guesses, strict=True):
-            r.spec_token_ids = list(guess[: r.spec_room(self.max_model_len)])
+        for (r, want), guess in zip(ready, guesses, strict=True):
+            r.spec_token_ids = list(guess[:want])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -268,8 +277,10 @@ class LLMEngine(Engine):
                 )
         for s in plan.scheduled:
             if s.spec_token_ids and s.request.request_id in sampled:
+                accepted = len(sampled[s.request.request_id]) - 1
                 self._spec_counts[0] += len(s.spec_token_ids)
-                self._spec_counts[1] += len(sampled[s.request.request_id]) - 1
+                self._spec_counts[1] += accepted
+                self.spec_lengths.observe(s.request.request_id, len(s.spec_token_ids), accepted)
         finished = self.scheduler.update_from_output(
             plan, {k: [t.token_id for t in v] for k, v in sampled.items()}
         )

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from hotpool.worker.models.families import SUPPORTED_ARCHITECTURES, family_for
+from hotpool.worker.models.few_rows_linear import use_few_rows_linears
 from hotpool.worker.models.llama import LlamaModel, local_rotary_for, rotary_for
 from hotpool.worker.models.packed_linear import pack_linears, packing_available
 from hotpool.worker.models.quantize import QUANTIZATIONS, check_quantization, quantize_model
@@ -31,7 +32,8 @@ def load_model(
     quantization: str = "none",
 ) -> LlamaModel:
     """Load a HF-format checkpoint of a supported family. ``dtype=None`` keeps the
-    checkpoint's dtype; ``pack`` prepacks linear weights where that is faster (bf16 on CPU);
+    checkpoint's dtype; ``pack`` prepacks linear weights where that is faster (bf16 on
+    CPU; fp32 on CPU gets :mod:`few_rows_linear`);
     ``quantization`` (none, int8, gguf) serves the linear layers quantized (:mod:`quantize`).
     """
     config = json.loads((path / "config.json").read_text())
@@ -81,4 +83,6 @@ def load_model(
             raise ModelLoadError(f"{arch}: {exc}") from None
     if pack and packing_available(device, target):
         pack_linears(model)  # what stayed dense
+    elif pack and device.type == "cpu" and target == torch.float32:
+        use_few_rows_linears(model)  # what stayed dense: decode rows at the copy bandwidth
     return model
