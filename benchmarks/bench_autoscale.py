@@ -45,11 +45,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from serve_process import pct, serve, wait_for  # benchmarks/ is the script folder
+from serve_process import pct, serve, smollm2_snapshot, wait_for  # benchmarks/ is the script folder
 
 from hotpool.billing.db import Database
 from hotpool.billing.ledger import Ledger, UsageRecord
-from hotpool.worker.snapshot.pull import pull_smollm2, smollm2_uri
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "bench"
@@ -494,11 +493,7 @@ def report(phases: list[dict[str, Any]], args: argparse.Namespace, threads: dict
 
 
 def snapshot() -> str:
-    store = f"file://{CACHE}/objects"
-    uri = smollm2_uri(store, "smollm2-bf16")
-    if not Path(uri.removeprefix("file://"), "manifest.json").is_file():
-        uri, _ = pull_smollm2(store, "smollm2-bf16", "bf16", download_dir=CACHE / "downloads")
-    return uri
+    return smollm2_snapshot(CACHE, "bf16")
 
 
 def main() -> int:

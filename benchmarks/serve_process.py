@@ -83,3 +83,14 @@ def serve(home: Path, env: dict[str, str]) -> Iterator[tuple[str, subprocess.Pop
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def smollm2_snapshot(cache: Path, dtype: str) -> str:
+    """SmolLM2 in ``dtype``, pulled once into a ``file://`` store under ``cache``."""
+    from hotpool.worker.snapshot.pull import pull_smollm2, smollm2_uri
+
+    store, name = f"file://{cache}/objects", f"smollm2-{dtype}"
+    uri = smollm2_uri(store, name)
+    if not Path(uri.removeprefix("file://"), "manifest.json").is_file():
+        uri, _ = pull_smollm2(store, name, dtype, download_dir=cache / "downloads")
+    return uri

@@ -18,6 +18,7 @@ T = TypeVar("T")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 AUTH_MODES = ("auto", "keys", "none")
+ROUTING_MODES = ("cache_aware", "least_loaded")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("local", "ray")
@@ -52,6 +53,9 @@ class Settings:
     default_idle_timeout_s: float = 300.0
     queue_timeout_s: float = 300.0
     max_queue: int = 256
+    # How the router picks among a deployment's ready replicas: where the prompt's prefix is
+    # cached (weighed against load), or the least loaded.
+    routing: str = "cache_aware"
     log_level: str = "info"
     log_format: str = "text"  # text or json (one object per line)
     # 0: prompts and outputs never reach the log; N: at debug level, each request's prompt
@@ -263,6 +267,7 @@ def _load(env: Mapping[str, str]) -> Settings:
         default_idle_timeout_s=_parse(env, "HOTPOOL_IDLE_TIMEOUT_S", 300.0, _positive_float),
         queue_timeout_s=_parse(env, "HOTPOOL_QUEUE_TIMEOUT_S", 300.0, _positive_float),
         max_queue=_parse(env, "HOTPOOL_MAX_QUEUE", 256, _positive_int),
+        routing=_parse(env, "HOTPOOL_ROUTING", "cache_aware", _one_of(ROUTING_MODES)),
         log_level=_parse(env, "HOTPOOL_LOG_LEVEL", "info", _one_of(LOG_LEVELS)),
         log_format=_parse(env, "HOTPOOL_LOG_FORMAT", "text", _one_of(("text", "json"))),
         log_prompts=_parse(env, "HOTPOOL_LOG_PROMPTS", 0, _off_or_positive_int),

@@ -70,8 +70,9 @@ def build_services(
     )
     metrics = Metrics(pool)
     catalog = DeploymentCatalog(DeploymentStore(db))
-    router = Router(pool, settings.max_queue, settings.queue_timeout_s)
+    router = Router(pool, settings.max_queue, settings.queue_timeout_s, routing=settings.routing)
     metrics.queued = router.queued
+    metrics.routing_decisions = lambda: router.decisions
     autoscaler = Autoscaler(
         pool,
         catalog.all,

@@ -200,12 +200,23 @@ async def authorize(request: Request, scope: str) -> Principal:
     return principal
 
 
+SESSION_HEADER = "x-session-id"
+MAX_SESSION_CHARS = 256
+
+
 def caller(request: Request, principal: Principal) -> Caller:
     state = request.scope.get("state", {})
+    session = request.headers.get(SESSION_HEADER)
+    if session is not None and not (0 < len(session) <= MAX_SESSION_CHARS):
+        raise APIError(
+            400, f"`{SESSION_HEADER}` must be 1-{MAX_SESSION_CHARS} characters",
+            param=SESSION_HEADER, code="invalid_session_id",
+        )  # fmt: skip
     return Caller(
         api_key_id=principal.key_id,
         key_prefix=principal.key.prefix if principal.key else None,
         client_request_id=state.get("client_request_id"),
+        session=session,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,6 +33,7 @@ async def _info(request: Request) -> WorkerInfo:
 async def register(request: Request) -> Response:
     services = _authorize(request)
     info = await _info(request)
+    info = replace(info, prefix_stored=None, prefix_removed=None, prefix_reset=False)
     try:
         services.registry.register(info)
     except UnknownWorker:
@@ -46,6 +48,14 @@ async def heartbeat(request: Request) -> Response:
     info = await _info(request)
     if info.worker_id != request.path_params["worker_id"]:
         raise APIError(400, "worker id in the path and the body differ")
+    replica = services.pool.replica_on(info.worker_id)
+    if replica is not None and info.loaded == replica.deployment:
+        replica.prefixes.report(
+            info.prefix_stored or (), info.prefix_removed or (), info.prefix_reset,
+            info.kv_block_size,
+        )  # fmt: skip
+    # The hashes live in the router's index only, never in what is shown of the worker.
+    info = replace(info, prefix_stored=None, prefix_removed=None, prefix_reset=False)
     try:
         services.registry.heartbeat(info)
     except UnknownWorker:

@@ -22,7 +22,7 @@ from hotpool.platform.errors import APIError
 from hotpool.platform.inflight import OpenRequest
 from hotpool.platform.ledger_writer import LedgerWriter
 from hotpool.platform.metrics import Metrics
-from hotpool.platform.router import Lease, Router, Target
+from hotpool.platform.router import Affinity, Lease, Router, Target
 from hotpool.platform.schemas import CompletionCall
 from hotpool.platform.worker_mux import WorkerMuxes, WorkerRefused
 from hotpool.worker.protocol import GenerateEvent, GenerateRequest, Usage
@@ -38,6 +38,9 @@ class Caller:
     api_key_id: int | None = None
     key_prefix: str | None = None
     client_request_id: str | None = None  # the client's own x-request-id, if well-formed
+    # A conversation's id (the x-session-id header): its turns stick to one replica, where
+    # the earlier turns are cached (OpenAI's `user` does the same when there is no header).
+    session: str | None = None
 
 
 @dataclass
@@ -120,6 +123,7 @@ class Invoker:
             call.tools, call.tool_choice, call.parallel_tool_calls,
         )  # fmt: skip
         caller = caller or Caller()
+        affinity = Affinity(request, caller.session or call.user)
         failed: Lease | None = None
         attempt = 0
         # Journalled until its record is safe: a crash from here on bills it as `partial`.
@@ -132,7 +136,8 @@ class Invoker:
         try:
             while True:
                 try:
-                    async for event in self._attempt(target, request, tally, failed, served):
+                    events = self._attempt(target, request, tally, failed, served, affinity)
+                    async for event in events:
                         yield event
                     break
                 except httpx.TransportError as exc:
@@ -184,9 +189,11 @@ class Invoker:
         tally: _Tally,
         avoid: Lease | None,
         served: Served | None,
+        affinity: Affinity | None = None,
     ) -> AsyncIterator[GenerateEvent]:
         spec = target.spec
-        async with self.router.lease(target, avoid.replica if avoid else None) as lease:
+        replica = avoid.replica if avoid else None
+        async with self.router.lease(target, replica, affinity) as lease:
             if served is not None:
                 served.version = lease.replica.generation
             if tally.lease is None or not tally.delivered:
@@ -203,6 +210,8 @@ class Invoker:
                 )
             async with aclosing(self._stream(lease, request)) as stream:
                 async for event in stream:
+                    if lease.prefill is not None:
+                        lease.prefill.done()  # the prompt is computed: the replica's queue
                     now = time.monotonic()
                     _tally_event(tally, event, now)
                     if tally.texts is not None and event.text:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -39,11 +39,17 @@ INTER_TOKEN_BUCKETS = (
 class _PoolCollector(Collector):
     """Replicas, workers and queues, read from the pool at scrape time (never stale)."""
 
-    def __init__(self, pool: WorkerPool, queued: Callable[[str], int]) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        queued: Callable[[str], int],
+        decisions: Callable[[], Mapping[tuple[str, str], int]] = dict,
+    ) -> None:
         self.pool = pool
         self.queued = queued
+        self.decisions = decisions  # the router's (deployment, reason) -> requests
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         g = GaugeMetricFamily(
             "hotpool_replicas", "Replicas by deployment and state", labels=["deployment", "state"]
         )
@@ -81,6 +87,23 @@ class _PoolCollector(Collector):
             inflight.add_metric([deployment], n)
         yield q
         yield inflight
+        tokens = GaugeMetricFamily(
+            "hotpool_queued_prompt_tokens",
+            "Prompt tokens replicas have still to compute (less their cached prefixes)",
+            labels=["deployment"],
+        )
+        for deployment in deployments:
+            n = sum(r.queued_tokens for r in replicas if r.deployment == deployment)
+            tokens.add_metric([deployment], n)
+        yield tokens
+        routed = CounterMetricFamily(
+            "hotpool_routing_decisions",
+            "Requests routed among ready replicas, by why the replica won",
+            labels=["deployment", "reason"],
+        )
+        for (deployment, reason), n in sorted(self.decisions().items()):
+            routed.add_metric([deployment, reason], n)
+        yield routed
         yield self._kv_cache_usage(replicas)
         yield from self._speculation()
 
@@ -294,7 +317,8 @@ class Metrics:
             ["deployment", "direction"], registry=r,
         )  # fmt: skip
         self.queued: Callable[[str], int] = lambda deployment: 0  # set to the router's
-        r.register(_PoolCollector(pool, lambda d: self.queued(d)))
+        self.routing_decisions: Callable[[], Mapping[tuple[str, str], int]] = dict  # and these
+        r.register(_PoolCollector(pool, lambda d: self.queued(d), lambda: self.routing_decisions()))
         self.ledger_writer: LedgerWriter | None = None  # set once the app has built it
         r.register(_LedgerCollector(lambda: self.ledger_writer))
 

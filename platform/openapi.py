@@ -26,6 +26,7 @@ from hotpool.billing.tenants import TENANT_NAME_MAX_LEN
 from hotpool.billing.usage import BUCKET_WIDTHS
 from hotpool.platform import deployment_schema as dep
 from hotpool.platform import schemas, tools
+from hotpool.platform.auth import MAX_SESSION_CHARS, SESSION_HEADER
 from hotpool.platform.deployments_api import MAX_EVENT_ID, MAX_EVENTS_PAGE
 from hotpool.platform.middleware import CLIENT_REQUEST_ID
 from hotpool.platform.prices_api import AMOUNTS
@@ -965,6 +966,15 @@ def sse(chunk: str) -> Schema:
     }
 
 
+SESSION = param(
+    "header",
+    SESSION_HEADER,
+    text(minLength=1, maxLength=MAX_SESSION_CHARS),
+    "A conversation's id: before its prefix is cached anywhere, its turns go to one replica "
+    "(where the next turn then finds the earlier ones cached); `user` does the same without it.",
+)
+
+
 def invocation(summary: str, answers: str, json: str, stream: Schema, **kw: Any) -> Schema:
     return op(
         summary,
@@ -973,6 +983,7 @@ def invocation(summary: str, answers: str, json: str, stream: Schema, **kw: Any)
         (400, 404, 429, 502, 503),
         description="Errors found before the first token are JSON error answers; with "
         "`stream: true`, later ones arrive in the stream.",
+        params=(*kw.pop("params", ()), SESSION),
         **kw,
     )
 

@@ -5,7 +5,14 @@ its share of the requests, by a hash of the ``user`` field when there is one (so
 conversation stays on one version) and at random otherwise. Versions have replicas of their
 own; a canary request is served by the canary only, a stable request never by the canary.
 
-The ready replica with the fewest outstanding requests wins. With none ready, the request
+Among a version's ready replicas, a request goes where its prompt's prefix is cached
+(:meth:`Router._pick`): each replica's prefix set (its worker's reported block hashes) is
+matched against the prompt's hashes (:class:`PromptHasher`), and the share of the prompt
+cached there is weighed against the replica's load; a replica at its
+``target_concurrency`` is never chosen for its cache. With nothing cached anywhere, a
+conversation (OpenAI's ``user``) sticks to one replica by rendezvous hashing, so its next
+turn finds its history; else the ready replica with the fewest outstanding requests wins.
+With none ready, the request
 waits (at most ``max_queue`` per deployment, at most ``queue_timeout_s``) for the replica
 the pool is starting, starting one if there is none; a full queue is a 429 and an expired
 wait a 503, both with ``Retry-After``, never a hang. Demand beyond one replica is the
@@ -26,8 +33,10 @@ from dataclasses import dataclass
 
 from hotpool.billing.deployments import DeploymentSpec
 from hotpool.platform.errors import APIError
+from hotpool.platform.prompt_hasher import PromptHasher, PromptKey
 from hotpool.pool.pool import WorkerPool
 from hotpool.pool.replica import Replica, ReplicaState
+from hotpool.worker.protocol import GenerateRequest
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,13 @@ class Target:
         return self.spec.generation
 
 
+# What one running request adds to a replica's cost, in prompt tokens: a decode step's
+# share of the batch it rides in, roughly a prefill chunk of this size on the CPU and less
+# on a GPU; small against a long prompt's miss, large enough to break ties toward the
+# emptier replica.
+DECODE_TOKENS = 16
+
+
 def user_share(name: str, user: str) -> float:
     """Where ``user`` falls in [0, 100) for deployment ``name``: stable for a user, so the
     same user stays on one version; raising the canary's percent only moves users onto it."""
@@ -54,10 +70,34 @@ def user_share(name: str, user: str) -> float:
 
 
 @dataclass(frozen=True)
+class Affinity:
+    """What routes a request to a replica beyond load: its prompt (whose cached prefix a
+    replica may hold) and the conversation it belongs to (OpenAI's ``user``)."""
+
+    request: GenerateRequest
+    user: str | None = None
+
+
+@dataclass(eq=False)
+class Prefill:
+    """The prompt tokens a request's replica has still to compute (the router's estimate:
+    the prompt less its cached prefix there), counted in the replica's ``queued_tokens``
+    until the request's first token."""
+
+    replica: Replica
+    tokens: int = 0
+
+    def done(self) -> None:
+        self.replica.queued_tokens -= self.tokens
+        self.tokens = 0
+
+
+@dataclass(frozen=True)
 class Lease:
     replica: Replica
     queue_seconds: float
     cold_start: bool  # this request waited for a replica to start
+    prefill: Prefill | None = None  # call done() at the first token
 
 
 class Router:
@@ -67,8 +107,10 @@ class Router:
         max_queue: int,
         queue_timeout_s: float,
         on_demand: Callable[[], None] = lambda: None,
+        routing: str = "cache_aware",
     ) -> None:
         self.pool = pool
+        self.routing = routing  # cache_aware or least_loaded (HOTPOOL_ROUTING)
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.on_demand = on_demand  # wakes the autoscaler
@@ -76,6 +118,8 @@ class Router:
         self.waiting_for: Counter[tuple[str, int]] = Counter()  # by (deployment, version)
         self.rng = random.Random()
         self._stopping = asyncio.Event()
+        self.hasher = PromptHasher(pool.client)
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (deployment, why) -> requests
 
     def begin_shutdown(self) -> None:
         """The server is stopping: requests waiting for a replica get a 503 at once (no
@@ -103,25 +147,29 @@ class Router:
 
     @asynccontextmanager
     async def lease(
-        self, target: Target | DeploymentSpec, avoid: Replica | None = None
+        self,
+        target: Target | DeploymentSpec,
+        avoid: Replica | None = None,
+        affinity: Affinity | None = None,
     ) -> AsyncIterator[Lease]:
         """A replica for one request; ``avoid``: one that just failed it (used only if it is
         the only one ready)."""
         if isinstance(target, DeploymentSpec):
             target = Target(target, not_version=target.canary_version)
         t0 = time.monotonic()
-        replica, cold = await self._acquire(target, t0, avoid)
+        (replica, prefill), cold = await self._acquire(target, t0, avoid, affinity)
         try:
-            yield Lease(replica, time.monotonic() - t0, cold)
+            yield Lease(replica, time.monotonic() - t0, cold, prefill)
         finally:
+            prefill.done()
             replica.inflight -= 1
             replica.last_used = time.monotonic()
 
     async def _acquire(
-        self, target: Target, t0: float, avoid: Replica | None
-    ) -> tuple[Replica, bool]:
+        self, target: Target, t0: float, avoid: Replica | None, affinity: Affinity | None
+    ) -> tuple[tuple[Replica, Prefill], bool]:
         spec = target.spec
-        ready = self._pick(target, avoid)
+        ready = self._pick(target, avoid, affinity)
         if ready is not None:
             return ready, False
         max_queue = spec.max_queue or self.max_queue
@@ -163,7 +211,7 @@ class Router:
                     raise APIError(
                         404, f"deployment {spec.name!r} was deleted", code="deployment_not_found"
                     )
-                picked = self._pick(target, avoid)
+                picked = self._pick(target, avoid, affinity)
                 if picked is not None:
                     return picked, True
                 if replica.error is not None and replica.state is not ReplicaState.QUEUED:
@@ -191,7 +239,9 @@ class Router:
             raise _shutting_down()
         raise TimeoutError
 
-    def _pick(self, target: Target, avoid: Replica | None) -> Replica | None:
+    def _pick(
+        self, target: Target, avoid: Replica | None, affinity: Affinity | None = None
+    ) -> tuple[Replica, Prefill] | None:
         spec = target.spec
         ready = [
             r
@@ -204,11 +254,79 @@ class Router:
         ready = current if current or target.strict else ready
         if not ready:
             return None
-        best = min(ready, key=lambda r: (r is avoid, r.inflight))
+        best, prefill = self._best(spec, ready, avoid, affinity)
         best.inflight += 1  # claimed before any await, so the autoscaler sees it busy
+        best.queued_tokens += prefill.tokens
         if best.inflight > spec.target_concurrency:
             self.on_demand()
-        return best
+        return best, prefill
+
+    def _best(
+        self,
+        spec: DeploymentSpec,
+        ready: list[Replica],
+        avoid: Replica | None,
+        affinity: Affinity | None,
+    ) -> tuple[Replica, Prefill]:
+        """The replica for a request, and the prompt tokens it will compute there.
+
+        Cache-aware: each replica with room (fewer than ``target_concurrency`` requests)
+        costs the prompt tokens it would compute for this request (the prompt less the
+        prefix it holds) plus what it has queued already (``queued_tokens``: its requests'
+        uncached prompt tokens, until their first tokens) plus ``DECODE_TOKENS`` for each
+        request it runs; the cheapest wins. So a cached prefix draws its requests until the
+        queue in front of them costs more than computing the prefix elsewhere, and a
+        replica at its target concurrency never wins for its cache. With nothing cached
+        anywhere, a conversation sticks to one replica (rendezvous hashing on its id)."""
+        least = min(ready, key=lambda r: (r is avoid, r.inflight))
+        room = [r for r in ready if r is not avoid and r.inflight < spec.target_concurrency]
+        if affinity is None or len(ready) < 2 or not room or self.routing == "least_loaded":
+            if affinity is not None and len(ready) > 1:
+                self.decisions[(spec.name, "least_loaded")] += 1
+            return least, Prefill(least)
+        keys: dict[tuple[str, int | None], PromptKey | None] = {}
+        costs: list[tuple[int, int, Replica, PromptKey, int]] = []
+        for r in room:
+            at = (r.load.digest if r.load else "", r.prefixes.block_size)
+            if at not in keys:  # one tokenization per snapshot, not per replica
+                keys[at] = self.hasher.key(r, affinity.request)
+            key = keys[at]
+            if key is None:
+                continue
+            cached = r.prefixes.matched(key.hashes) * (r.prefixes.block_size or 0)
+            miss = max(key.tokens - cached, 1)
+            cost = r.queued_tokens + miss + DECODE_TOKENS * r.inflight
+            costs.append((cost, r.inflight, r, key, miss))
+        if not costs:  # the prompt cannot be weighed yet (no tokenizer here yet)
+            sticky = self._sticky(room, affinity)
+            best = sticky or least
+            self.decisions[(spec.name, "least_loaded" if sticky is None else "user")] += 1
+            return best, Prefill(best)
+        cost, _, best, key, miss = min(costs, key=lambda c: c[:2])
+        if miss < key.tokens:
+            why = "prefix"
+        elif (sticky := self._sticky(room, affinity)) is not None and all(
+            m >= k.tokens for _, _, _, k, m in costs
+        ):  # nothing cached anywhere: the conversation's replica, for its next turns
+            best, why = sticky, "user"
+            miss = key.tokens
+        else:
+            why = "least_loaded"
+        best.prefixes.add(key.hashes)  # it caches them as it prefills, before any heartbeat
+        self.decisions[(spec.name, why)] += 1
+        return best, Prefill(best, miss)
+
+    @staticmethod
+    def _sticky(room: list[Replica], affinity: Affinity) -> Replica | None:
+        if not affinity.user:
+            return None
+        return max(room, key=lambda r: _rendezvous(affinity.user or "", r.id))
+
+
+def _rendezvous(user: str, replica_id: str) -> int:
+    """Highest-random-weight hashing: a user keeps their replica while it lives, and only
+    the users of a replica that goes move."""
+    return int.from_bytes(hashlib.blake2b(f"{user}\0{replica_id}".encode(), digest_size=8).digest())
 
 
 def _shutting_down() -> APIError:

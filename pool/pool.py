@@ -94,6 +94,13 @@ class WorkerPool:
         """The HTTP client that talks to workers (the invoker streams through it too)."""
         return self.launcher.client
 
+    def replica_on(self, worker_id: str) -> Replica | None:
+        """The replica whose worker is ``worker_id``, if it has one now."""
+        for r in self._replicas.values():
+            if r.handle.worker_id == worker_id:
+                return r
+        return None
+
     def replicas(self, deployment: str | None = None) -> list[Replica]:
         """The replicas of ``deployment`` (None: of every deployment) as it exists now:
         never those of a deleted one of the same name, which drain out of sight."""
@@ -224,6 +231,7 @@ class WorkerPool:
         if self.cancel(replica, reason):
             return False
         replica.state = ReplicaState.DRAINING
+        replica.prefixes.clear()  # no new request goes there: its prefixes steer nothing
         return True
 
     async def _drain(self, replica: Replica, reason: str, grace_s: float) -> None:
@@ -486,6 +494,7 @@ class WorkerPool:
     async def _remove(self, replica: Replica, reason: str, keep_warm: bool = False) -> None:
         if self._replicas.pop(replica.id, None) is None:
             return
+        replica.prefixes.clear()
         self._scaled_down(replica, reason)
         info: WorkerInfo | None = None
         self._unloading += 1
@@ -529,6 +538,7 @@ class WorkerPool:
     def _forget(self, replica: Replica, reason: str) -> None:
         if self._replicas.pop(replica.id, None) is None:
             return
+        replica.prefixes.clear()
         self.registry.forget(replica.handle.worker_id)
         self._scaled_down(replica, reason)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from hotpool.pool.backend import WorkerHandle
+from hotpool.pool.prefix_set import PrefixSet
 from hotpool.worker.protocol import LoadResult, WorkerInfo
 
 
@@ -28,6 +29,9 @@ class Replica:
     worker: WorkerInfo | None = None
     load: LoadResult | None = None
     inflight: int = 0
+    # Prompt tokens its requests have still to compute (the router's estimate, less cached
+    # prefixes), until their first tokens: the replica's queued work, in tokens.
+    queued_tokens: int = 0
     created_at: float = field(default_factory=time.time)
     requested_at: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
@@ -39,6 +43,8 @@ class Replica:
     # Its deployment was deleted: it only finishes its requests, and no longer counts as the
     # name's (a new deployment may take the name at once, another tenant's too).
     retired: bool = False
+    # The prompt prefixes its KV cache holds (its worker's heartbeats): cache-aware routing.
+    prefixes: PrefixSet = field(default_factory=PrefixSet)
 
     @property
     def starting(self) -> bool:

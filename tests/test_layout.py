@@ -63,6 +63,14 @@ FORBIDDEN = {
     "platform": ("hotpool.kernels", "torch"),
 }
 PROTOCOL = "hotpool.worker.protocol"
+# The worker's text side, which the router runs too, to hash a prompt as its worker will
+# (cache-aware routing): pure Python, no torch (test_light_worker_modules_import_no_torch).
+SHARED = (
+    PROTOCOL,
+    "hotpool.worker.prompt",
+    "hotpool.worker.prefix_hash",
+    "hotpool.worker.tokenizer",
+)
 
 
 def _imports(path: Path) -> set[str]:
@@ -80,12 +88,26 @@ def test_layers_import_one_way() -> None:
     for folder, forbidden in FORBIDDEN.items():
         for path in (REPO / folder).rglob("*.py"):
             for name in _imports(path):
-                if folder in ("pool", "platform") and name == PROTOCOL:
+                if folder in ("pool", "platform") and name in SHARED:
                     continue
                 if folder in ("pool", "platform") and name.startswith("hotpool.worker"):
                     bad.append(
-                        f"{path.relative_to(REPO)} imports {name} (only {PROTOCOL} is allowed)"
+                        f"{path.relative_to(REPO)} imports {name} (only {SHARED} are allowed)"
                     )
                 if name.startswith(forbidden):
                     bad.append(f"{path.relative_to(REPO)} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+def test_light_worker_modules_import_no_torch() -> None:
+    """What the control plane imports of the worker stays light: no torch, no engine."""
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in SHARED)
+        + (
+            "heavy = sorted(m for m in sys.modules if m == 'torch' or m.startswith("
+            "('hotpool.worker.engine', 'hotpool.worker.models')))\n"
+            "assert not heavy, heavy\n"
+        )
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")

@@ -23,6 +23,7 @@ import uvicorn
 from hotpool.heap import settle_heap
 from hotpool.http_protocol import HeadCorkedHttpToolsProtocol
 from hotpool.worker.engine.llm_engine import EngineConfig
+from hotpool.worker.engine.prefix_events import PrefixReport
 from hotpool.worker.host_cache import HostModelCache
 from hotpool.worker.protocol import WorkerInfo
 from hotpool.worker.server import build_worker_app
@@ -75,6 +76,23 @@ def spec_stats(service: WorkerService) -> tuple[int | None, int | None, bool | N
     return s.spec_proposed, s.spec_accepted, s.spec_enabled
 
 
+def prefix_report(service: WorkerService) -> tuple[int | None, PrefixReport | None]:
+    """The loaded engine's block size and what its prefix cache stored and evicted since
+    the last heartbeat; Nones with nothing loaded."""
+    loaded = service.loaded
+    if loaded is None:
+        return None, None
+    kv = loaded.engine.engine.kv_manager
+    return kv.block_size, kv.pool.events.take()
+
+
+def prefix_report_lost(service: WorkerService) -> None:
+    """A heartbeat did not arrive: the next one tells the prefix cache's whole state."""
+    loaded = service.loaded
+    if loaded is not None:
+        loaded.engine.engine.kv_manager.pool.events.lost()
+
+
 def run_worker(opts: WorkerOptions) -> None:
     # httpx logs every call at info: a heartbeat line every two seconds otherwise (a failed
     # heartbeat is the worker's own warning).
@@ -117,6 +135,7 @@ async def _main(opts: WorkerOptions) -> None:
 
     def info() -> WorkerInfo:
         loaded = service.loaded
+        block_size, report = prefix_report(service)
         return WorkerInfo(
             opts.worker_id,
             f"http://{host}:{port}",
@@ -126,13 +145,17 @@ async def _main(opts: WorkerOptions) -> None:
             loaded.deployment if loaded else None,
             kv_cache_usage(service),
             *spec_stats(service),
+            kv_block_size=block_size,
+            prefix_stored=report.stored if report else None,
+            prefix_removed=report.removed if report else None,
+            prefix_reset=report.reset if report else False,
         )
 
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not serving.done():  # noqa: ASYNC110 (uvicorn has only a flag)
         await asyncio.sleep(0.01)
     settle_heap()  # start-up's objects (torch's among them) out of the collector's full passes
-    beat = asyncio.create_task(_heartbeat(opts, info, server))
+    beat = asyncio.create_task(_heartbeat(opts, info, server, lambda: prefix_report_lost(service)))
     try:
         await serving
     finally:
@@ -143,8 +166,13 @@ async def _main(opts: WorkerOptions) -> None:
 
 
 async def _heartbeat(
-    opts: WorkerOptions, info: Callable[[], WorkerInfo], server: uvicorn.Server
+    opts: WorkerOptions,
+    info: Callable[[], WorkerInfo],
+    server: uvicorn.Server,
+    lost: Callable[[], None] = lambda: None,
 ) -> None:
+    """Register, then heartbeat every ``HEARTBEAT_S``; ``lost`` is called when a payload
+    may not have arrived (its prefix-cache changes are then sent again in full)."""
     headers = {"authorization": f"Bearer {opts.token}"}
     base = opts.control_plane_url.rstrip("/")
     registered = False
@@ -171,10 +199,14 @@ async def _heartbeat(
                     )
                     if r.status_code == 404:  # the control plane restarted and forgot us
                         registered = False
+                        lost()
                         continue
                     if r.status_code == 410:  # the pool released this worker
                         server.should_exit = True
                         return
+                    if r.status_code >= 400:
+                        lost()
             except httpx.HTTPError as exc:
+                lost()
                 log.warning("control plane unreachable: %s", exc)
             await asyncio.sleep(HEARTBEAT_S if registered else 0.2)

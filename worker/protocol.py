@@ -438,6 +438,14 @@ class WorkerInfo:
     spec_proposed: int | None = None
     spec_accepted: int | None = None
     spec_enabled: bool | None = None
+    # The loaded engine's prefix cache since the last heartbeat, for cache-aware routing:
+    # hashes (worker/prefix_hash.py's ``reported``) cached and evicted, and whether to
+    # forget all before (a fresh engine, a reset, a lost heartbeat). The control plane
+    # keeps them in its router's index, never in what it shows of the worker.
+    kv_block_size: int | None = None
+    prefix_stored: list[str] | None = None
+    prefix_removed: list[str] | None = None
+    prefix_reset: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -445,6 +453,7 @@ class WorkerInfo:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WorkerInfo:
         info = cls(**data)
+        _check_prefix_report(info)
         usage = info.kv_cache_usage
         # It ends up in a Prometheus gauge: a string would fail every scrape, not this call.
         if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float)):
@@ -456,6 +465,21 @@ class WorkerInfo:
         if info.spec_enabled is not None and not isinstance(info.spec_enabled, bool):
             raise TypeError("spec_enabled must be a boolean")
         return info
+
+
+def _check_prefix_report(info: WorkerInfo) -> None:
+    for name in ("prefix_stored", "prefix_removed"):
+        value = getattr(info, name)
+        if value is not None and (
+            not isinstance(value, list)
+            or not all(isinstance(h, str) and len(h) == 16 for h in value)
+        ):
+            raise TypeError(f"{name} must be a list of 16-character hashes")
+    if not isinstance(info.prefix_reset, bool):
+        raise TypeError("prefix_reset must be a boolean")
+    size = info.kv_block_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
+        raise TypeError("kv_block_size must be a positive integer")
 
 
 def message_wire(m: ChatMessage) -> dict[str, Any]:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -29,7 +30,7 @@ from hotpool.worker.mux import Multiplexer
 from hotpool.worker.protocol import GenerateEvent, GenerateRequest, LoadRequest
 from hotpool.worker.service import NotLoaded, WorkerService
 from hotpool.worker.snapshot.errors import SnapshotError
-from hotpool.worker.tokenizer import TemplateError
+from hotpool.worker.tokenizer import TOKENIZER_FILES, TemplateError
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,20 @@ def build_worker_app(
             return _error(400, str(exc), code=getattr(exc, "code", None))
         return ChunkStream(_ndjson(first, events, metrics), "application/x-ndjson")
 
+    async def tokenizer(_: Request) -> Response:
+        """The loaded snapshot's tokenizer files, for the router's prompt hashes."""
+        loaded = service.loaded
+        if loaded is None:
+            return _error(409, "no model is loaded on this worker", "not_loaded")
+        files = {}
+        for name in TOKENIZER_FILES:
+            path = loaded.tokenizer.snapshot_dir / name
+            if path.is_file():
+                files[name] = await asyncio.to_thread(path.read_text)
+        if "tokenizer.json" not in files:  # the disk cache let the snapshot go
+            return _error(404, "the loaded snapshot's tokenizer files are gone", "not_found")
+        return JSONResponse({"digest": loaded.digest, "files": files})
+
     async def prom(_: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
 
@@ -227,6 +242,7 @@ def build_worker_app(
             Route("/generate", generate, methods=["POST"]),
             Route("/generate/mux", Multiplexer(service, metrics, stopping), methods=["POST"]),
             Route("/abort/{request_id}", abort, methods=["POST"]),
+            Route("/tokenizer", tokenizer),
             Route("/metrics", prom),
         ]
     )

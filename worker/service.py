@@ -9,7 +9,6 @@ warm up with one short forward pass. A model the worker unloads stays in host me
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,6 +29,8 @@ from hotpool.worker.host_cache import HostKey, HostModelCache
 from hotpool.worker.models.llama import LlamaModel
 from hotpool.worker.models.loader import DTYPES, ModelLoadError, load_model
 from hotpool.worker.models.packed_linear import cpu_has_native_bf16
+from hotpool.worker.prefix_hash import deployment_salt
+from hotpool.worker.prompt import parse_tools, prompt_token_ids
 from hotpool.worker.protocol import (
     GenerateEvent,
     GenerateRequest,
@@ -159,10 +160,11 @@ class WorkerService:
                 tier = "disk" if snap.cache_hit else "remote"
                 phases = {"fetch": t1 - t0, "load": time.perf_counter() - t1}
             t2 = time.perf_counter()
-            # The salt keeps prefix-cache hits within one deployment's snapshot.
+            # The salt keeps prefix-cache hits within one deployment's snapshot (the router
+            # hashes prompts with the same salt to find this replica's prefixes).
             config = replace(
                 self.engine_config,
-                prefix_cache_salt=manifest.digest.encode(),
+                prefix_cache_salt=deployment_salt(manifest.digest, req.deployment),
                 max_model_len=req.max_model_len or self.engine_config.max_model_len,
                 kv_cache_bytes=req.kv_cache_bytes or self.engine_config.kv_cache_bytes,
             )
@@ -272,10 +274,7 @@ class WorkerService:
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None
         tok = loaded.tokenizer
-        if req.messages is not None:
-            ids = tuple(tok.encode_chat(req.messages, tools))
-        else:
-            ids = tuple(tok.encode(req.prompt or ""))
+        ids = prompt_token_ids(tok, req, tools)
         return loaded, engine_requests(req.request_id, ids, req.params, tok.eos_token_ids)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateEvent]:
@@ -313,15 +312,10 @@ class WorkerService:
 def request_tools(req: GenerateRequest) -> list[dict[str, Any]] | None:
     """The tools a chat request lets the model call (OpenAI's tool dicts); None without
     tools or with ``tool_choice`` "none" (then the tools are not even rendered, as vLLM)."""
-    if not req.tools or req.tool_choice == "none" or req.messages is None:
-        return None
     try:
-        tools = json.loads(req.tools)
-    except ValueError:
-        raise RequestRejected("`tools` is not JSON") from None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise RequestRejected("`tools` must be a list of tool objects")
-    return tools or None
+        return parse_tools(req)
+    except ValueError as exc:
+        raise RequestRejected(str(exc)) from None
 
 
 def request_constraint(

@@ -19,6 +19,10 @@ from hotpool.worker.structured.tools import (
     tool_format,
 )
 
+# What :class:`TextTokenizer` reads of a snapshot: the control plane's router fetches these
+# from a worker (``GET /tokenizer``) to hash prompts as the worker will.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
 
 class TemplateError(ValueError):
     """The chat template could not render these messages."""
@@ -26,6 +30,7 @@ class TemplateError(ValueError):
 
 class TextTokenizer:
     def __init__(self, snapshot_dir: Path) -> None:
+        self.snapshot_dir = snapshot_dir
         self._tok = Tokenizer.from_file(str(snapshot_dir / "tokenizer.json"))
         cfg_path = snapshot_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}

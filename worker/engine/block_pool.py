@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from hotpool.worker.engine.prefix_events import PrefixEvents
+
 
 @dataclass(eq=False)
 class KVBlock:
@@ -54,6 +56,8 @@ class BlockPool:
         self.num_allocated_total = 0
         self.num_evicted_total = 0
         self.placeholder: KVBlock | None = None
+        # What was cached and evicted since the last heartbeat (the router's view).
+        self.events = PrefixEvents(self.cached_hashes)
 
     def reserve_placeholder(self) -> KVBlock:
         """Pin block 0 of a fresh pool forever as the shared placeholder block.
@@ -154,6 +158,7 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        self.events.stored(block_hash)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (returns False) while any block is in use."""
@@ -162,7 +167,18 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        self.events.lost()
         return True
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every cached key, oldest first. Called off the engine thread (a heartbeat), so
+        the keys are copied in one C-level pass, which no other thread interleaves."""
+        for _ in range(8):
+            try:
+                return list(self._cached)
+            except RuntimeError:  # resized mid-copy: only on a free-threaded build
+                continue
+        return []
 
     def free_block_ids(self) -> list[int]:
         """Ids of the free blocks in eviction order (next evicted first). O(n); for tests."""
@@ -191,5 +207,6 @@ class BlockPool:
         if block.block_hash is None:
             return
         del self._cached[block.block_hash]
+        self.events.removed(block.block_hash)
         block.block_hash = None
         self.num_evicted_total += 1

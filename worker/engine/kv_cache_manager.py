@@ -55,12 +55,11 @@ across groups.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from hotpool.worker.engine.block_pool import BlockPool, KVBlock
+from hotpool.worker.prefix_hash import hash_block_tokens
 
 
 @dataclass(frozen=True)
@@ -87,25 +86,6 @@ class KVCacheBlocks:
 
 
 _EMPTY = KVCacheBlocks(())
-
-
-def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int], salt: bytes) -> bytes:
-    """Chained 16-byte hash of one full block: its parent block's hash, its tokens, the salt.
-
-    The encoding is unambiguous: the salt is length-prefixed and a marker byte tells a root
-    block from a child, so no two distinct inputs share a byte string. Token ids are packed as
-    native 64-bit integers; hashes never leave the process, so endianness does not matter.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    h.update(len(salt).to_bytes(8, "little"))
-    h.update(salt)
-    if parent is None:
-        h.update(b"\x00")
-    else:
-        h.update(b"\x01")
-        h.update(parent)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
 
 
 def _group_key(block_hash: bytes, group: int) -> bytes:

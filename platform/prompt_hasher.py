@@ -1,0 +1,118 @@
+"""A request's prefix-cache block hashes, as the replica that serves it will compute them:
+the same token ids (worker/prompt.py, over the snapshot's own tokenizer and chat template)
+and the same chained hashes and salt (worker/prefix_hash.py). The router compares them with
+what each replica reports holding.
+
+The tokenizer files come from a ready replica (``GET /tokenizer`` on its worker), once per
+snapshot digest, in the background: until they are here, requests are routed without
+affinity. A request the template cannot render gets no hashes (its worker answers the
+error). Tokenizing costs the control plane ~0.1-2 ms a request, so the router asks only when
+there are replicas to choose between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from hotpool.pool.replica import Replica
+from hotpool.worker.prefix_hash import deployment_salt, prompt_block_hashes, reported
+from hotpool.worker.prompt import parse_tools, prompt_token_ids
+from hotpool.worker.protocol import GenerateRequest
+from hotpool.worker.tokenizer import TOKENIZER_FILES, TextTokenizer
+
+log = logging.getLogger("hotpool.router")
+
+MAX_BLOCKS = 2048  # prefixes past 32k tokens (16-token blocks) are not told apart
+MAX_TOKENIZERS = 8  # snapshots whose tokenizers stay loaded, least recently used out
+RETRY_S = 30.0  # after a failed fetch
+
+
+@dataclass(frozen=True)
+class PromptKey:
+    """A prompt as the router weighs it: its token count and its full blocks' hashes."""
+
+    tokens: int
+    hashes: list[str]
+
+
+class PromptHasher:
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+        self._tokenizers: OrderedDict[str, TextTokenizer] = OrderedDict()
+        self._fetching: dict[str, asyncio.Task[None]] = {}
+        self._failed_at: dict[str, float] = {}
+
+    def hashes(self, replica: Replica, request: GenerateRequest) -> list[str] | None:
+        """The request's block hashes on ``replica``'s deployment (:meth:`key`)."""
+        key = self.key(replica, request)
+        return None if key is None else key.hashes
+
+    def key(self, replica: Replica, request: GenerateRequest) -> PromptKey | None:
+        """The request's prompt on ``replica``'s deployment, or None when it cannot be
+        known yet (no tokenizer here yet, no block size reported, a template error)."""
+        load, block_size = replica.load, replica.prefixes.block_size
+        if load is None or block_size is None:
+            return None
+        tok = self._tokenizers.get(load.digest)
+        if tok is None:
+            self._fetch(replica, load.digest)
+            return None
+        self._tokenizers.move_to_end(load.digest)
+        try:
+            ids = prompt_token_ids(tok, request, parse_tools(request))
+        except Exception:  # any failure: the worker will answer the request's own error
+            return None
+        salt = deployment_salt(load.digest, load.deployment)
+        hashes = prompt_block_hashes(ids, block_size, salt, MAX_BLOCKS)
+        return PromptKey(len(ids), [reported(h) for h in hashes])
+
+    def ready(self, digest: str) -> bool:
+        return digest in self._tokenizers
+
+    async def wait_fetched(self, digest: str) -> None:
+        """Until the fetch of ``digest``'s tokenizer under way (if any) has ended."""
+        task = self._fetching.get(digest)
+        if task is not None:
+            await asyncio.shield(task)
+
+    def _fetch(self, replica: Replica, digest: str) -> None:
+        if digest in self._fetching or replica.worker is None:
+            return
+        loop = asyncio.get_running_loop()
+        failed = self._failed_at.get(digest)
+        if failed is not None and loop.time() - failed < RETRY_S:
+            return
+        task = loop.create_task(self._load(replica.address, digest))
+        self._fetching[digest] = task
+        task.add_done_callback(lambda _: self._fetching.pop(digest, None))
+
+    async def _load(self, address: str, digest: str) -> None:
+        try:
+            r = await self.client.get(f"{address}/tokenizer", timeout=30.0)
+            r.raise_for_status()
+            body = r.json()
+            if body.get("digest") != digest:
+                return  # the worker moved on to another snapshot: a later request retries
+            tok = await asyncio.to_thread(_tokenizer_from, body["files"])
+        except Exception as exc:  # any failure: routing goes on without affinity
+            self._failed_at[digest] = asyncio.get_running_loop().time()
+            log.warning("no prompt hashes for snapshot %s: %r", digest[:12], exc)
+            return
+        self._tokenizers[digest] = tok
+        while len(self._tokenizers) > MAX_TOKENIZERS:
+            self._tokenizers.popitem(last=False)
+
+
+def _tokenizer_from(files: dict[str, str]) -> TextTokenizer:
+    with tempfile.TemporaryDirectory(prefix="hotpool-tok-") as tmp:
+        for name in TOKENIZER_FILES:
+            if isinstance(files.get(name), str):
+                (Path(tmp) / name).write_text(files[name])
+        return TextTokenizer(Path(tmp))
