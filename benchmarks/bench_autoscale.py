@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from plan_check import run_plan_check
 from serve_process import pct, serve, smollm2_snapshot, wait_for  # benchmarks/ is the script folder
 
 from hotpool.billing.db import Database
@@ -531,7 +532,18 @@ def main() -> int:
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--only", choices=["elastic", "fixed"], help="run one phase (no ratios)")
     ap.add_argument("--json", help="also write the summary to this file")
+    ap.add_argument(
+        "--plan-check",
+        action="store_true",
+        help="instead: the capacity planner's predicted TTFT p95 against a measured run "
+        "(benchmarks/plan_check.py)",
+    )
+    ap.add_argument("--plan-requests", type=int, default=40, help="requests per rate")
+    ap.add_argument("--plan-words", type=int, default=150, help="words of each prompt")
+    ap.add_argument("--plan-output-tokens", type=int, default=8)
     args = ap.parse_args()
+    if args.plan_check:
+        return run_plan_check(args, CACHE)
     if args.tail is None:
         args.tail = args.scale_down_window + 8
     cores = os.cpu_count() or 1

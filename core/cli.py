@@ -17,6 +17,7 @@ from hotpool.cli_common import settings_or_exit as _settings
 from hotpool.cli_common import snapshot_uri as _snapshot_uri
 from hotpool.cli_keys import keys, tenants
 from hotpool.cli_ledger import ledger
+from hotpool.cli_plan import plan
 from hotpool.cli_prices import prices
 from hotpool.cli_snapshot import models, snapshot
 from hotpool.cli_versions import describe, promote, rollback, versions
@@ -371,3 +372,4 @@ main.add_command(ledger)
 main.add_command(promote)
 main.add_command(rollback)
 main.add_command(versions)
+main.add_command(plan)

@@ -48,6 +48,9 @@ class Settings:
     worker_start_timeout_s: float = 120.0
     heartbeat_timeout_s: float = 15.0  # a worker silent this long is dead (it beats every 2s)
     scale_down_window_s: float = 30.0  # scale down to the highest need seen over this window
+    # Seconds of measured work (prompt and expected output tokens) a replica may hold
+    # before the autoscaler adds another.
+    scale_backlog_s: float = 10.0
     preempt_after_s: float = 10.0  # a deployment waiting this long for a worker takes a busy one
     worker_threads: int | None = None  # CPU threads per worker; None: cores / max_workers
     default_idle_timeout_s: float = 300.0
@@ -262,6 +265,7 @@ def _load(env: Mapping[str, str]) -> Settings:
         ),
         heartbeat_timeout_s=_parse(env, "HOTPOOL_HEARTBEAT_TIMEOUT_S", 15.0, _positive_float),
         scale_down_window_s=_parse(env, "HOTPOOL_SCALE_DOWN_WINDOW_S", 30.0, _non_negative_float),
+        scale_backlog_s=_parse(env, "HOTPOOL_SCALE_BACKLOG_S", 10.0, _positive_float),
         preempt_after_s=_parse(env, "HOTPOOL_PREEMPT_AFTER_S", 10.0, _non_negative_float),
         worker_threads=_parse(env, "HOTPOOL_WORKER_THREADS", None, _positive_int),
         default_idle_timeout_s=_parse(env, "HOTPOOL_IDLE_TIMEOUT_S", 300.0, _positive_float),

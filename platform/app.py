@@ -22,6 +22,7 @@ from hotpool.billing.scale_events import ScaleEventStore
 from hotpool.billing.tenants import TenantStore
 from hotpool.platform import (
     admin_api,
+    capacity_api,
     dashboard,
     dashboard_api,
     deployments_api,
@@ -79,6 +80,8 @@ def build_services(
         router.queued_for,
         scale_down_window_s=settings.scale_down_window_s,
         canary_of=catalog.canary_of,
+        waiting_work=router.waiting_work,
+        backlog_s=settings.scale_backlog_s,
     )
     router.on_demand = autoscaler.wake
     ledger = Ledger(db)
@@ -96,6 +99,8 @@ def build_services(
     def on_ready(replica: Replica) -> None:
         metrics.observe_cold_start(replica)
         scale_log.cold_start_done(replica)
+        if replica.error is None and replica.load is not None:
+            router.hasher.prefetch(replica)  # its first requests can be routed by prefix
 
     pool.on_scale, pool.on_ready = on_scale, on_ready
     keys = KeyStore(db)
@@ -222,6 +227,7 @@ def create_app(services: Services) -> Starlette:
         Route("/metrics", metrics),
         Route("/openapi.json", openapi_json, methods=["GET"]),
         *deployments_api.routes,
+        *capacity_api.routes,
         *invoke_api.routes,
         *usage_api.routes,
         *dashboard_api.routes,

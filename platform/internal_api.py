@@ -50,6 +50,8 @@ async def heartbeat(request: Request) -> Response:
         raise APIError(400, "worker id in the path and the body differ")
     replica = services.pool.replica_on(info.worker_id)
     if replica is not None and info.loaded == replica.deployment:
+        replica.capacity = info.capacity or replica.capacity
+        replica.kv_cache_usage = info.kv_cache_usage
         replica.prefixes.report(
             info.prefix_stored or (), info.prefix_removed or (), info.prefix_reset,
             info.kv_block_size,

@@ -210,8 +210,9 @@ class Invoker:
                 )
             async with aclosing(self._stream(lease, request)) as stream:
                 async for event in stream:
-                    if lease.prefill is not None:
-                        lease.prefill.done()  # the prompt is computed: the replica's queue
+                    if lease.work is not None:  # the replica's backlog, as it goes down
+                        lease.work.prefilled()
+                        lease.work.produced(len(event.token_ids))
                     now = time.monotonic()
                     _tally_event(tally, event, now)
                     if tally.texts is not None and event.text:
@@ -263,6 +264,8 @@ class Invoker:
         total = time.monotonic() - t.t0
         lease = t.lease
         u = t.usage
+        if t.finish is not None:  # what a whole request produces: the next ones' estimate
+            self.router.finished(spec.name, u.completion_tokens / max(call.params.n, 1))
         queue = lease.queue_seconds if lease else None
         cold = bool(lease and lease.cold_start)
         # The version of the replica that served it (the one asked for, if none did).

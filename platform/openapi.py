@@ -509,6 +509,30 @@ COMPONENTS: dict[str, Schema] = {
             "created_at": null(UNIX),
         }
     ),
+    "CapacityPoint": every({"step_tokens": integer(1), "tokens_per_second": NUM}),
+    "ReplicaCapacity": every(
+        {
+            "id": STR,
+            "version": integer(1),
+            "curve": arr(ref("CapacityPoint")),
+            "inflight": COUNT,
+            "queued_prompt_tokens": integer(),
+            "queued_output_tokens": integer(),
+            "backlog_seconds": null(NUM),
+            "kv_cache_usage": null(NUM),
+        }
+    ),
+    "DeploymentCapacity": every(
+        {
+            "deployment": STR,
+            "replicas": arr(ref("ReplicaCapacity")),
+            "curve": arr(ref("CapacityPoint")),
+            "measured_replicas": COUNT,
+            "output_tokens_mean": null(NUM),
+            "scale_backlog_s": NUM,
+            "target_concurrency": integer(1),
+        }
+    ),
     "ScaleEventList": every(
         {
             "object": const("list"),
@@ -1074,6 +1098,20 @@ PATHS: dict[str, dict[str, Schema]] = {
                 param("query", "limit", integer(1, MAX_EVENTS_PAGE, default=100), "Page size."),
                 param("query", "before", integer(1, MAX_EVENT_ID), "A page's `next_before`."),
             ),
+        )
+    },
+    "/v1/deployments/{name}/capacity": {
+        "get": op(
+            "get deployment capacity",
+            "deploy",
+            ok(
+                "Each ready replica's measured tokens/s by step size (from its engine's own "
+                "steps), the backlog it holds, and the mean replica's curve: what `hotpool "
+                "plan` sizes a deployment with.",
+                "DeploymentCapacity",
+            ),
+            (404,),
+            params=(NAME,),
         )
     },
     "/v1/deployments/{name}/versions": {

@@ -57,12 +57,15 @@ class PromptHasher:
     def key(self, replica: Replica, request: GenerateRequest) -> PromptKey | None:
         """The request's prompt on ``replica``'s deployment, or None when it cannot be
         known yet (no tokenizer here yet, no block size reported, a template error)."""
-        load, block_size = replica.load, replica.prefixes.block_size
-        if load is None or block_size is None:
+        load = replica.load
+        if load is None:
             return None
+        block_size = replica.prefixes.block_size or load.kv_block_size
         tok = self._tokenizers.get(load.digest)
         if tok is None:
-            self._fetch(replica, load.digest)
+            self.prefetch(replica)
+            return None
+        if block_size is None:
             return None
         self._tokenizers.move_to_end(load.digest)
         try:
@@ -82,10 +85,19 @@ class PromptHasher:
         if task is not None:
             await asyncio.shield(task)
 
+    def prefetch(self, replica: Replica) -> None:
+        """Fetch ``replica``'s tokenizer in the background if it is not here (a replica
+        just became ready: its first requests then find it)."""
+        if replica.load is not None and replica.load.digest not in self._tokenizers:
+            self._fetch(replica, replica.load.digest)
+
     def _fetch(self, replica: Replica, digest: str) -> None:
         if digest in self._fetching or replica.worker is None:
             return
-        loop = asyncio.get_running_loop()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the server's loop (a test's direct call): no fetch
+            return
         failed = self._failed_at.get(digest)
         if failed is not None and loop.time() - failed < RETRY_S:
             return

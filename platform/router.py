@@ -60,6 +60,10 @@ class Target:
 # on a GPU; small against a long prompt's miss, large enough to break ties toward the
 # emptier replica.
 DECODE_TOKENS = 16
+DEFAULT_OUTPUT_TOKENS = 128.0  # a request's expected output before its deployment has a mean
+MAX_EXPECTED_OUTPUT = 4096.0
+OUTPUT_ALPHA = 0.05  # the mean follows about the last twenty requests
+CHARS_PER_TOKEN = 4
 
 
 def user_share(name: str, user: str) -> float:
@@ -79,17 +83,33 @@ class Affinity:
 
 
 @dataclass(eq=False)
-class Prefill:
-    """The prompt tokens a request's replica has still to compute (the router's estimate:
-    the prompt less its cached prefix there), counted in the replica's ``queued_tokens``
-    until the request's first token."""
+class Work:
+    """What a request still costs its replica, by the router's estimate: the prompt tokens
+    it computes there (the prompt less its cached prefix), until the first token, and the
+    output tokens it is expected to produce (``min(max_tokens, the deployment's mean)``),
+    as they come. Counted in the replica's ``queued_tokens`` and ``queued_output_tokens``:
+    the backlog token-aware scaling weighs."""
 
     replica: Replica
-    tokens: int = 0
+    prompt: int = 0
+    output: int = 0
+
+    def __post_init__(self) -> None:
+        self.replica.queued_tokens += self.prompt
+        self.replica.queued_output_tokens += self.output
+
+    def prefilled(self) -> None:
+        self.replica.queued_tokens -= self.prompt
+        self.prompt = 0
+
+    def produced(self, tokens: int) -> None:
+        n = min(tokens, self.output)
+        self.replica.queued_output_tokens -= n
+        self.output -= n
 
     def done(self) -> None:
-        self.replica.queued_tokens -= self.tokens
-        self.tokens = 0
+        self.prefilled()
+        self.produced(self.output)
 
 
 @dataclass(frozen=True)
@@ -97,7 +117,7 @@ class Lease:
     replica: Replica
     queue_seconds: float
     cold_start: bool  # this request waited for a replica to start
-    prefill: Prefill | None = None  # call done() at the first token
+    work: Work | None = None  # prefilled() at the first token, produced() as tokens come
 
 
 class Router:
@@ -120,6 +140,9 @@ class Router:
         self._stopping = asyncio.Event()
         self.hasher = PromptHasher(pool.client)
         self.decisions: Counter[tuple[str, str]] = Counter()  # (deployment, why) -> requests
+        self.output_means: dict[str, float] = {}  # output tokens per choice, per deployment
+        # Tokens of requests waiting for a replica, per (deployment, version): prompt, output.
+        self.waiting_tokens: Counter[tuple[str, int, str]] = Counter()
 
     def begin_shutdown(self) -> None:
         """The server is stopping: requests waiting for a replica get a 503 at once (no
@@ -132,6 +155,11 @@ class Router:
 
     def queued_for(self, deployment: str, version: int) -> int:
         return self.waiting_for[(deployment, version)]
+
+    def waiting_work(self, deployment: str, version: int) -> tuple[int, int]:
+        """Prompt and output tokens of the requests waiting for a replica of a version."""
+        key = (deployment, version)
+        return self.waiting_tokens[(*key, "prompt")], self.waiting_tokens[(*key, "output")]
 
     def choose(
         self, spec: DeploymentSpec, canary: DeploymentSpec | None, user: str | None = None
@@ -157,17 +185,17 @@ class Router:
         if isinstance(target, DeploymentSpec):
             target = Target(target, not_version=target.canary_version)
         t0 = time.monotonic()
-        (replica, prefill), cold = await self._acquire(target, t0, avoid, affinity)
+        (replica, work), cold = await self._acquire(target, t0, avoid, affinity)
         try:
-            yield Lease(replica, time.monotonic() - t0, cold, prefill)
+            yield Lease(replica, time.monotonic() - t0, cold, work)
         finally:
-            prefill.done()
+            work.done()
             replica.inflight -= 1
             replica.last_used = time.monotonic()
 
     async def _acquire(
         self, target: Target, t0: float, avoid: Replica | None, affinity: Affinity | None
-    ) -> tuple[tuple[Replica, Prefill], bool]:
+    ) -> tuple[tuple[Replica, Work], bool]:
         spec = target.spec
         ready = self._pick(target, avoid, affinity)
         if ready is not None:
@@ -183,6 +211,9 @@ class Router:
             )  # fmt: skip
         self.waiting[spec.name] += 1
         self.waiting_for[(spec.name, spec.generation)] += 1
+        tokens = self._prompt_estimate(affinity), self._expected_output(spec.name, affinity)
+        self.waiting_tokens[(spec.name, spec.generation, "prompt")] += tokens[0]
+        self.waiting_tokens[(spec.name, spec.generation, "output")] += tokens[1]
         self.on_demand()
         try:
             while True:
@@ -220,6 +251,8 @@ class Router:
         finally:
             self.waiting[spec.name] -= 1
             self.waiting_for[(spec.name, spec.generation)] -= 1
+            self.waiting_tokens[(spec.name, spec.generation, "prompt")] -= tokens[0]
+            self.waiting_tokens[(spec.name, spec.generation, "output")] -= tokens[1]
 
     async def _wait_ready(self, replica: Replica, timeout_s: float) -> None:
         """Until ``replica`` is ready (or failed); TimeoutError after ``timeout_s``; a 503
@@ -241,7 +274,7 @@ class Router:
 
     def _pick(
         self, target: Target, avoid: Replica | None, affinity: Affinity | None = None
-    ) -> tuple[Replica, Prefill] | None:
+    ) -> tuple[Replica, Work] | None:
         spec = target.spec
         ready = [
             r
@@ -254,12 +287,28 @@ class Router:
         ready = current if current or target.strict else ready
         if not ready:
             return None
-        best, prefill = self._best(spec, ready, avoid, affinity)
+        best, prompt = self._best(spec, ready, avoid, affinity)
         best.inflight += 1  # claimed before any await, so the autoscaler sees it busy
-        best.queued_tokens += prefill.tokens
+        work = Work(best, prompt, self._expected_output(spec.name, affinity))
         if best.inflight > spec.target_concurrency:
             self.on_demand()
-        return best, prefill
+        return best, work
+
+    def _expected_output(self, deployment: str, affinity: Affinity | None) -> int:
+        """Output tokens a request will produce: its ``max_tokens`` (per choice), capped by
+        the mean its deployment's requests produced."""
+        if affinity is None:
+            return 0
+        params = affinity.request.params
+        mean = self.output_means.get(deployment, DEFAULT_OUTPUT_TOKENS)
+        cap = params.max_tokens if params.max_tokens is not None else MAX_EXPECTED_OUTPUT
+        return round(min(cap, mean)) * max(params.n, 1)
+
+    def finished(self, deployment: str, output_tokens_per_choice: float) -> None:
+        """A request's choices produced this many tokens each: the deployment's mean."""
+        mean = self.output_means.get(deployment)
+        x = min(float(output_tokens_per_choice), MAX_EXPECTED_OUTPUT)
+        self.output_means[deployment] = x if mean is None else mean + OUTPUT_ALPHA * (x - mean)
 
     def _best(
         self,
@@ -267,7 +316,7 @@ class Router:
         ready: list[Replica],
         avoid: Replica | None,
         affinity: Affinity | None,
-    ) -> tuple[Replica, Prefill]:
+    ) -> tuple[Replica, int]:
         """The replica for a request, and the prompt tokens it will compute there.
 
         Cache-aware: each replica with room (fewer than ``target_concurrency`` requests)
@@ -283,7 +332,7 @@ class Router:
         if affinity is None or len(ready) < 2 or not room or self.routing == "least_loaded":
             if affinity is not None and len(ready) > 1:
                 self.decisions[(spec.name, "least_loaded")] += 1
-            return least, Prefill(least)
+            return least, self._prompt_estimate(affinity)
         keys: dict[tuple[str, int | None], PromptKey | None] = {}
         costs: list[tuple[int, int, Replica, PromptKey, int]] = []
         for r in room:
@@ -301,7 +350,7 @@ class Router:
             sticky = self._sticky(room, affinity)
             best = sticky or least
             self.decisions[(spec.name, "least_loaded" if sticky is None else "user")] += 1
-            return best, Prefill(best)
+            return best, self._prompt_estimate(affinity)
         cost, _, best, key, miss = min(costs, key=lambda c: c[:2])
         if miss < key.tokens:
             why = "prefix"
@@ -314,7 +363,17 @@ class Router:
             why = "least_loaded"
         best.prefixes.add(key.hashes)  # it caches them as it prefills, before any heartbeat
         self.decisions[(spec.name, why)] += 1
-        return best, Prefill(best, miss)
+        return best, miss
+
+    @staticmethod
+    def _prompt_estimate(affinity: Affinity | None) -> int:
+        """A prompt's tokens when they cannot be counted (no tokenizer here yet): ~4
+        characters a token, as for English text in a BPE vocabulary."""
+        if affinity is None:
+            return 0
+        req = affinity.request
+        chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or ())
+        return chars // CHARS_PER_TOKEN + 1
 
     @staticmethod
     def _sticky(room: list[Replica], affinity: Affinity) -> Replica | None:

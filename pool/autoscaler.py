@@ -1,13 +1,23 @@
 """Reconcile each deployment's replicas with its load: up at once, down only when stable.
 
-Load is what a replica actually holds: requests in flight plus requests queued for the
-deployment. Desired replicas = ceil(load / ``target_concurrency``), within ``min_replicas``
-and ``max_replicas``. Scaling up happens the moment the desired count exceeds the live
-one (the router wakes this loop on every queued request and whenever a replica passes its
-target, and it ticks every second regardless). Scaling down follows the highest desired
-count seen over the last ``scale_down_window_s`` (as Kubernetes' HPA stabilisation window
-does), so a burst that pauses between requests does not flap; the last replica goes only
-after ``idle_timeout_s`` without requests (scale to zero). Dead workers are reaped here.
+Load is what a replica actually holds, counted two ways, and the larger need wins:
+
+- requests: in flight plus queued for the deployment; ceil(load / ``target_concurrency``)
+  replicas (so ``target_concurrency`` bounds the requests a replica holds);
+- tokens: the replicas' backlog in seconds of their own measured work (prompt tokens still
+  to compute, less cached prefixes, and output tokens expected; pool/capacity.py), plus
+  the queued requests' at the replicas' mean rates; ceil(backlog / ``backlog_s``)
+  replicas. A few very long prompts weigh what they cost, as many short ones do;
+- and one more replica than live while the live ones' KV caches are nearly full
+  (``KV_FULL``: requests would start being preempted).
+
+Desired replicas are within ``min_replicas`` and ``max_replicas``. Scaling up happens the
+moment the desired count exceeds the live one (the router wakes this loop on every queued
+request and whenever a replica passes its target, and it ticks every second regardless).
+Scaling down follows the highest desired count seen over the last ``scale_down_window_s``
+(as Kubernetes' HPA stabilisation window does), so a burst that pauses between requests
+does not flap; the last replica goes only after ``idle_timeout_s`` without requests (scale
+to zero). Dead workers are reaped here.
 
 While a canary runs, the stable and the canary version are reconciled each on their own
 load (their own replicas, their own queue): the canary may scale to zero while the stable
@@ -26,8 +36,11 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 
 from hotpool.billing.deployments import DeploymentSpec
+from hotpool.pool.capacity import backlog_seconds, mean_rates, rates
 from hotpool.pool.pool import WorkerPool
 from hotpool.pool.replica import Replica, ReplicaState
+
+KV_FULL = 0.9  # mean KV usage of the live replicas past which one more is asked for
 
 log = logging.getLogger("hotpool.autoscaler")
 
@@ -41,10 +54,14 @@ class Autoscaler:
         interval_s: float = 1.0,
         scale_down_window_s: float = 30.0,
         canary_of: Callable[[DeploymentSpec], DeploymentSpec | None] = lambda spec: None,
+        waiting_work: Callable[[str, int], tuple[int, int]] = lambda name, version: (0, 0),
+        backlog_s: float = 10.0,
     ) -> None:
         self.pool = pool
         self.deployments = deployments
         self.queued = queued  # requests waiting for (deployment, version)
+        self.waiting_work = waiting_work  # their (prompt, output) tokens
+        self.backlog_s = backlog_s  # seconds of work a replica may hold before another comes
         self.canary_of = canary_of
         self.interval_s = interval_s
         self.scale_down_window_s = scale_down_window_s
@@ -88,12 +105,41 @@ class Autoscaler:
             self._reconcile(spec, now)
 
     def desired(self, spec: DeploymentSpec, floor: int | None = None) -> tuple[int, int]:
-        """(desired replicas, load) for the version ``spec`` describes, right now."""
+        """(desired replicas, load in requests) for the version ``spec`` describes, now."""
+        want, load, _ = self.need(spec, floor)
+        return want, load
+
+    def need(self, spec: DeploymentSpec, floor: int | None = None) -> tuple[int, int, str]:
+        """(desired replicas, load in requests, why) for the version ``spec`` describes."""
         live = self._live(spec.name, spec.generation)
         load = sum(r.inflight for r in live) + self.queued(spec.name, spec.generation)
         want = math.ceil(load / spec.target_concurrency)
+        why = f"load {load} > {len(live)} x target_concurrency {spec.target_concurrency}"
+        ready = [r for r in live if r.state is ReplicaState.READY]
+        backlog = self.backlog(spec, ready)
+        if backlog is not None and math.ceil(backlog / self.backlog_s) > want:
+            want = math.ceil(backlog / self.backlog_s)
+            why = f"backlog {backlog:.1f}s of measured work > {len(live)} x {self.backlog_s:g}s"
+        usage = [r.kv_cache_usage for r in ready if r.kv_cache_usage is not None]
+        full = bool(usage) and len(usage) == len(live) and sum(usage) / len(usage) >= KV_FULL
+        if full and len(live) + 1 > want:
+            want = len(live) + 1
+            why = f"KV cache {sum(usage) / len(usage):.0%} used on {len(live)} replica(s)"
         low = spec.min_replicas if floor is None else floor
-        return min(max(want, low), spec.max_replicas), load
+        return min(max(want, low), spec.max_replicas), load, why
+
+    def backlog(self, spec: DeploymentSpec, live: list[Replica]) -> float | None:
+        """Seconds of work the version's replicas hold, each at its measured rates, and its
+        queued requests' at their mean; None until a replica has measured its speed."""
+        typical = mean_rates([x for r in live if (x := rates(r.capacity)) is not None])
+        if typical is None:
+            return None
+        total = 0.0
+        for r in live:
+            x = rates(r.capacity) or typical
+            total += backlog_seconds(r.queued_tokens, r.queued_output_tokens, r.inflight, x)
+        prompt, output = self.waiting_work(spec.name, spec.generation)
+        return total + backlog_seconds(prompt, output, spec.target_concurrency, typical)
 
     def _reconcile(self, spec: DeploymentSpec, now: float) -> None:
         canary = self.canary_of(spec) if spec.canary_version is not None else None
@@ -119,7 +165,7 @@ class Autoscaler:
         canary: bool = False,
     ) -> None:
         """Scale one version's replicas (``live``) to its load, within [floor, max]."""
-        want, load = self.desired(spec, floor)
+        want, load, why = self.need(spec, floor)
         if stale:
             self._roll_over(spec, live, stale)
             want = max(want, min(len(stale), spec.max_replicas))
@@ -133,7 +179,7 @@ class Autoscaler:
             elif want == floor and load <= floor:
                 reason = f"min_replicas={floor}"
             else:
-                reason = f"load {load} > {len(live)} x target_concurrency {spec.target_concurrency}"
+                reason = why
             # More than max_workers at once could never get a slot: ask for what can run.
             for _ in range(min(want - len(live), self.pool.max_workers)):
                 self.pool.scale_up(spec, reason=reason, canary=canary)

@@ -32,6 +32,9 @@ class Replica:
     # Prompt tokens its requests have still to compute (the router's estimate, less cached
     # prefixes), until their first tokens: the replica's queued work, in tokens.
     queued_tokens: int = 0
+    queued_output_tokens: int = 0  # output tokens its requests are expected to produce yet
+    capacity: dict[str, float] = field(default_factory=dict)  # its worker's tokens/s curve
+    kv_cache_usage: float | None = None  # its worker's last report
     created_at: float = field(default_factory=time.time)
     requested_at: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)

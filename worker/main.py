@@ -149,6 +149,7 @@ async def _main(opts: WorkerOptions) -> None:
             prefix_stored=report.stored if report else None,
             prefix_removed=report.removed if report else None,
             prefix_reset=report.reset if report else False,
+            capacity=loaded.capacity.curve if loaded else None,
         )
 
     serving = asyncio.create_task(server.serve(sockets=[sock]))

@@ -411,6 +411,7 @@ class LoadResult:
     cache_hit: bool
     phases: dict[str, float] = field(default_factory=dict)
     tier: str = "remote"
+    kv_block_size: int | None = None  # the engine's, for the router's prompt hashes
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -446,6 +447,9 @@ class WorkerInfo:
     prefix_stored: list[str] | None = None
     prefix_removed: list[str] | None = None
     prefix_reset: bool = False
+    # The loaded engine's measured tokens/s by step size (worker/capacity.py: tokens in a
+    # step, a power of two, as text -> tokens/s), for token-aware scaling and planning.
+    capacity: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -477,6 +481,17 @@ def _check_prefix_report(info: WorkerInfo) -> None:
             raise TypeError(f"{name} must be a list of 16-character hashes")
     if not isinstance(info.prefix_reset, bool):
         raise TypeError("prefix_reset must be a boolean")
+    curve = info.capacity
+    if curve is not None and (
+        not isinstance(curve, dict)
+        or len(curve) > 32
+        or not all(
+            isinstance(k, str) and k.isdigit() and isinstance(v, int | float)
+            and not isinstance(v, bool) and v > 0
+            for k, v in curve.items()
+        )
+    ):  # fmt: skip
+        raise TypeError("capacity must map step sizes to positive tokens/s")
     size = info.kv_block_size
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
         raise TypeError("kv_block_size must be a positive integer")

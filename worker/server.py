@@ -191,8 +191,15 @@ def build_worker_app(
             return _error(422, f"cannot load {body.get('snapshot_uri')}: {exc}")
         for phase, seconds in result.phases.items():
             metrics.cold_start.labels(phase).observe(seconds)
-        if service.loaded is not None:
-            service.loaded.engine.engine.on_step = metrics.observe_step
+        loaded = service.loaded
+        if loaded is not None:
+            meter = loaded.capacity
+
+            def on_step(seconds: float, tokens: int) -> None:
+                metrics.observe_step(seconds, tokens)
+                meter.observe(seconds, tokens)
+
+            loaded.engine.engine.on_step = on_step
         return JSONResponse(result.to_json())
 
     async def unload(_: Request) -> Response:

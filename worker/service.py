@@ -14,11 +14,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from hotpool.worker.capacity import CapacityMeter
 from hotpool.worker.choices import Choices, engine_requests
 from hotpool.worker.engine.async_engine import AsyncEngine
 from hotpool.worker.engine.base import EngineRequest, RequestRejected
@@ -61,6 +62,8 @@ class LoadedModel:
     host_key: HostKey
     pinned: bool  # holds a pin on its snapshot in the disk cache
     _grammars: Future[GrammarCompiler] | None = None
+    # Its engine's tokens/s by step size, from the steps after warm-up (the heartbeat's).
+    capacity: CapacityMeter = field(default_factory=CapacityMeter)
 
     def prepare_grammars(self) -> None:
         """Start building the structured-output compiler in the background: the grammar
@@ -189,7 +192,10 @@ class WorkerService:
             req.deployment, manifest.digest, tokenizer, AsyncEngine(engine), model, key, pinned
         )
         loaded.prepare_grammars()
-        result = LoadResult(req.deployment, manifest.digest, tier != "remote", phases, tier)
+        result = LoadResult(
+            req.deployment, manifest.digest, tier != "remote", phases, tier,
+            kv_block_size=engine.kv_manager.block_size,
+        )  # fmt: skip
         return result, loaded
 
     def _speculation(

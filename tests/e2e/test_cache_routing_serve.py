@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,11 @@ def server(
     with running_server(home, uri, env) as srv:
         srv.deploy(NAME, min_replicas=2, max_replicas=2, target_concurrency=2, idle_timeout_s=600)
         srv.wait_for("two ready replicas", lambda: _ready(srv) == 2, 300)
+        # Traffic before the test's (its tokenizer reaches the router once the replicas
+        # are ready; a heartbeat follows): the router starts from what it has seen.
+        body = {"model": NAME, "prompt": "Hello", "max_tokens": 1}
+        assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=300).status_code == 200
+        time.sleep(2.5)
         yield srv
 
 
@@ -146,3 +154,31 @@ def test_a_killed_replica_steers_nothing(server: Server) -> None:
     usage = _chat(server, "When is clause 5 due?")
     assert usage["completion_tokens"] == 1
     server.wait_for("the dead replica replaced", lambda: _ready(server) == 2, 300)
+
+
+def test_measured_capacity_and_a_plan_from_it(server: Server) -> None:
+    for q in ("When is clause 6 due?", "And clause 7?"):
+        _chat(server, q, max_tokens=8)  # steps for the engines to measure
+
+    def measured() -> dict[str, Any]:
+        r = httpx.get(f"{server.url}/v1/deployments/{NAME}/capacity", timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+    server.wait_for("a measured curve", lambda: bool(measured()["curve"]), 30)
+    cap = measured()
+    assert cap["deployment"] == NAME and cap["measured_replicas"] >= 1
+    assert all(p["tokens_per_second"] > 0 for p in cap["curve"])
+    assert cap["output_tokens_mean"] is not None
+    missing = httpx.get(f"{server.url}/v1/deployments/nope/capacity", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "deployment_not_found"
+    args = ["plan", "--deployment", NAME, "--rps", "0.2", "--prompt-tokens", "300",
+            "--output-tokens", "16", "--ttft-p95", "30", "--url", server.url]  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", "hotpool", *args], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    replicas = int(out.stdout.split("replicas: ")[1].split()[0])
+    assert replicas >= 1 and "predicted TTFT: p95" in out.stdout and "headroom 30%" in out.stdout
+    # A target no replica count can meet: one prompt alone is slower.
+    args[args.index("--ttft-p95") + 1] = "0.0001"
+    out = subprocess.run([sys.executable, "-m", "hotpool", *args], capture_output=True, text=True)
+    assert out.returncode == 1 and "alone takes" in out.stderr

@@ -107,12 +107,13 @@ def test_requests_go_where_their_prefix_is_cached_unless_it_is_full(
         # Each lease's prompt tokens were queued on its replica until it ended.
         assert all(r.queued_tokens == 0 for r in reps)
         async with router.lease(_spec("d", **kw), affinity=Affinity(_chat("Q?"))) as lease:
-            assert (
-                lease.prefill is not None
-                and lease.replica.queued_tokens == lease.prefill.tokens > 0
-            )
-            lease.prefill.done()  # the first token
-            assert lease.replica.queued_tokens == 0
+            work, r = lease.work, lease.replica
+            assert work is not None and r.queued_tokens == work.prompt > 0
+            assert r.queued_output_tokens == work.output == 4  # its max_tokens, under the mean
+            work.prefilled()  # the first token
+            work.produced(3)
+            assert (r.queued_tokens, r.queued_output_tokens) == (0, 1)
+        assert (r.queued_tokens, r.queued_output_tokens) == (0, 0)
         await router.pool.shutdown()
 
     run(scenario)
