@@ -8,8 +8,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from hotpool.platform.auth import authorize, owned
-from hotpool.platform.errors import APIError
+from hotpool.platform.auth import authorize
+from hotpool.platform.deployments_api import owned_or_404
 from hotpool.platform.services import Services
 from hotpool.pool.capacity import Rates, backlog_seconds, mean_rates, rates
 from hotpool.pool.replica import ReplicaState
@@ -25,9 +25,7 @@ async def get_capacity(request: Request) -> Response:
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
     name = request.path_params["name"]
-    spec = owned(services.catalog.get(name), principal)
-    if spec is None:
-        raise APIError(404, f"deployment {name!r} does not exist", code="deployment_not_found")
+    spec = owned_or_404(services, name, principal)
     replicas, measured = [], []
     for r in services.pool.replicas(name):
         if r.state is not ReplicaState.READY:

@@ -97,7 +97,7 @@ def _within_pool(min_replicas: int, services: Services) -> None:
         )
 
 
-def _owned_or_404(services: Services, name: str, principal: Principal) -> DeploymentSpec:
+def owned_or_404(services: Services, name: str, principal: Principal) -> DeploymentSpec:
     spec = owned(services.catalog.get(name), principal)
     if spec is None:
         raise APIError(404, f"deployment {name!r} does not exist", code="deployment_not_found")
@@ -152,14 +152,14 @@ async def list_deployments(request: Request) -> Response:
 async def get_deployment(request: Request) -> Response:
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
-    spec = _owned_or_404(services, request.path_params["name"], principal)
+    spec = owned_or_404(services, request.path_params["name"], principal)
     return JSONResponse(deployment_json(spec, services))
 
 
 async def update_deployment(request: Request) -> Response:
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
-    current = _owned_or_404(services, request.path_params["name"], principal)
+    current = owned_or_404(services, request.path_params["name"], principal)
     update = parse_update(await read_json(request), current, services.settings.snapshots_dir)
     changes, canary = update.changes, update.canary
     if "min_replicas" in changes:
@@ -199,7 +199,7 @@ async def rollback_deployment(request: Request) -> Response:
 async def _version_action(request: Request, action: str) -> Response:
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
-    name = _owned_or_404(services, request.path_params["name"], principal).name
+    name = owned_or_404(services, request.path_params["name"], principal).name
     updated = await _versioned(name, getattr(services.catalog, action)(name))
     services.autoscaler.wake()  # drain what no longer serves now, not at the next tick
     return JSONResponse(deployment_json(updated, services))
@@ -209,7 +209,7 @@ async def list_versions(request: Request) -> Response:
     """``GET /v1/deployments/{name}/versions``: every version, oldest first."""
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
-    spec = _owned_or_404(services, request.path_params["name"], principal)
+    spec = owned_or_404(services, request.path_params["name"], principal)
     try:
         versions = await asyncio.to_thread(services.catalog.store.versions, spec.name)
     except DeploymentNotFound:
@@ -248,7 +248,7 @@ def _version_json(v: VersionRecord, spec: DeploymentSpec) -> dict[str, Any]:
 async def delete_deployment(request: Request) -> Response:
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
-    spec = _owned_or_404(services, request.path_params["name"], principal)
+    spec = owned_or_404(services, request.path_params["name"], principal)
     try:
         await services.catalog.delete(spec.name)
     except DeploymentNotFound:
@@ -267,7 +267,7 @@ async def list_scale_events(request: Request) -> Response:
     """``GET /v1/deployments/{name}/events?limit=&before=``: scale events, newest first."""
     principal = await authorize(request, "deploy")
     services: Services = request.app.state.services
-    spec = _owned_or_404(services, request.path_params["name"], principal)
+    spec = owned_or_404(services, request.path_params["name"], principal)
     limit = _query_int(request, "limit", 100, 1, MAX_EVENTS_PAGE)
     before = _query_int(request, "before", None, 1, MAX_EVENT_ID)
     await services.scale_events.flush()  # what the pool just did is in the answer

@@ -131,12 +131,13 @@ class Autoscaler:
     def backlog(self, spec: DeploymentSpec, live: list[Replica]) -> float | None:
         """Seconds of work the version's replicas hold, each at its measured rates, and its
         queued requests' at their mean; None until a replica has measured its speed."""
-        typical = mean_rates([x for r in live if (x := rates(r.capacity)) is not None])
+        measured = {r.id: x for r in live if (x := rates(r.capacity)) is not None}
+        typical = mean_rates(list(measured.values()))
         if typical is None:
             return None
         total = 0.0
         for r in live:
-            x = rates(r.capacity) or typical
+            x = measured.get(r.id, typical)
             total += backlog_seconds(r.queued_tokens, r.queued_output_tokens, r.inflight, x)
         prompt, output = self.waiting_work(spec.name, spec.generation)
         return total + backlog_seconds(prompt, output, spec.target_concurrency, typical)
