@@ -6,8 +6,10 @@ hotpool serves a snapshot converted from the catalog model's GGUF with its block
 (``convert_gguf(..., "fp32", keep_blocks=True)``, cached under ``.cache/bench``). Variants:
 ``bf16`` (dequantized weights and activations in bf16: what a bf16 engine reads), ``fp32``
 (the same in fp32, the fast dtype on a CPU without native bf16), ``int8`` (the Q8_0-style
-int8 made from them at load, fp32 activations) and ``gguf`` (the file's own blocks, fp32
-activations; SmolLM2: Q4_1 layers, Q8_0 LM head). llama.cpp loads the GGUF itself.
+int8 made from them at load) and ``gguf`` (the file's own blocks; SmolLM2: Q4_1 layers, Q8_0
+LM head). The quantized variants compute in what a deployment gets by default on this CPU
+(bf16 where it is native, fp32 elsewhere; ``--quant-dtype`` picks one). llama.cpp loads the
+GGUF itself.
 Requests have ~128 random prompt tokens and exactly 64 greedy output tokens (EOS ignored)
 on both sides; hotpool keeps ``concurrency`` requests in flight, llama.cpp runs waves of
 ``concurrency`` sequences through its batch API (``benchmarks/peers/llama_cpp_decode.py``,
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,6 +47,7 @@ from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
 from hotpool.worker.models.llama import LlamaModel
 from hotpool.worker.models.loader import load_model
 from hotpool.worker.protocol import SamplingParams
+from hotpool.worker.service import default_dtype
 from hotpool.worker.snapshot.gguf import convert_gguf
 from hotpool.worker.snapshot.model_catalog import catalog, catalog_model
 from hotpool.worker.snapshot.pull import model_gguf
@@ -88,18 +92,21 @@ def weight_bytes(model: LlamaModel) -> int:
     tensors += [
         b for n, b in model.named_buffers() if not n.split(".")[0].endswith("rope")
     ]  # fmt: skip
+    # Packed bf16 linears keep their weight as a plain attribute, not a parameter
+    tensors += [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
     return sum(
         {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
     )
 
 
-# Variant -> (quantization, activation dtype).
-VARIANTS: dict[str, tuple[str, torch.dtype]] = {
+# Variant -> (quantization, activation dtype; None: the serving default of this CPU).
+VARIANTS: dict[str, tuple[str, torch.dtype | None]] = {
     "bf16": ("none", torch.bfloat16),
     "fp32": ("none", torch.float32),
-    "int8": ("int8", torch.float32),
-    "gguf": ("gguf", torch.float32),
+    "int8": ("int8", None),
+    "gguf": ("gguf", None),
 }
+QUANT_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -156,13 +163,17 @@ def run_llama_cpp(
         return None, f"no {PEER_PYTHON.relative_to(REPO)}: bash benchmarks/peers/llama_cpp_venv.sh"
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(reqs, f)
+    cmd = [str(PEER_PYTHON), str(PEER_SCRIPT), "--model", str(gguf), "--prompts", f.name,
+           "--concurrency", *map(str, levels), "--requests", *map(str, levels.values()),
+           "--max-tokens", str(OUTPUT_TOKENS), "--threads", str(threads)]  # fmt: skip
     try:
-        proc = subprocess.run(
-            [str(PEER_PYTHON), str(PEER_SCRIPT), "--model", str(gguf), "--prompts", f.name,
-             "--concurrency", *map(str, levels), "--requests", *map(str, levels.values()),
-             "--max-tokens", str(OUTPUT_TOKENS), "--threads", str(threads)],
-            capture_output=True, text=True, timeout=1200,
-        )  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        if proc.returncode == -signal.SIGILL:
+            # ggml's AMX path dies on some AMX CPUs: llama.cpp at its best that runs
+            print("llama.cpp died of SIGILL in its AMX path: rerun without repacked "
+                  "weights (--no-extra-bufts)", flush=True)  # fmt: skip
+            cmd.append("--no-extra-bufts")
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     except subprocess.TimeoutExpired:
         return None, "llama.cpp run timed out"
     finally:
@@ -188,7 +199,10 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(catalog()), default="smollm2")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--skip-llama-cpp", action="store_true")
+    ap.add_argument("--quant-dtype", choices=list(QUANT_DTYPES), default="auto",
+                    help="int8 / gguf activations (auto: a deployment's default here)")  # fmt: skip
     args = ap.parse_args()
+    quant_dtype = QUANT_DTYPES[args.quant_dtype] or default_dtype(torch.device("cpu"))
     torch.set_num_threads(args.threads)
     gguf = gguf_file(args.model)
     model_dir = snapshot(gguf, args.model)
@@ -224,6 +238,7 @@ def main() -> None:
     for q in args.variants:
         s = time.perf_counter()
         quantization, dtype = VARIANTS[q]
+        dtype = dtype or quant_dtype
         model = load_model(model_dir, torch.device("cpu"), dtype, quantization=quantization)
         load_s = time.perf_counter() - s
         held[q] = weight_bytes(model)
@@ -231,7 +246,8 @@ def main() -> None:
         note = ""
         if report is not None:
             note = f", {len(report.quantized)} linears quantized, {len(report.dense)} dense"
-        print(f"hotpool {q}: loaded in {load_s:.1f} s, weights {held[q] / 1e6:.0f} MB{note}",
+        print(f"hotpool {q} ({str(dtype).removeprefix('torch.')} activations): loaded in "
+              f"{load_s:.1f} s, weights {held[q] / 1e6:.0f} MB{note}",
               flush=True)  # fmt: skip
         warm_up(model)
         for c in args.concurrency:

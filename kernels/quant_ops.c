@@ -32,6 +32,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HQ_AVX2 1
 #include <immintrin.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define HQ_AVX512 1
+#endif
 #endif
 
 enum { HQ_INT8 = 0, HQ_Q8_0 = 1, HQ_Q4_0 = 2, HQ_Q4_1 = 3, HQ_Q4_K = 4 };
@@ -461,6 +464,601 @@ static int linear_tiled(int fmt, const float *x, int64_t ldx, int64_t m, int64_t
     return failed ? -1 : 0;
 }
 
+#ifdef HQ_AVX512
+/*
+ * The AVX-512 paths (Intel from Sapphire Rapids, AMD from Zen 4). Every format is blocks
+ * of 32 weights q * D + MB with integer q (int8 and Q8_0: -128..127, Q4_*: 0..15); the
+ * block's scale D and offset MB come from its header (int8: D = 1, its scale is applied to
+ * the finished dot product).
+ *
+ * Up to DIRECT512 rows (decode, speculative verification) stream each weight row once:
+ * the block's integers become 32 float32 in two registers and are dotted with the float32
+ * rows (bfloat16 ones widened exactly), scaled by D once per block; MB's share is added
+ * through the block's sum of x. Format and row count are compile-time constants of each
+ * loop (DIRECT_CASE), so a block is a handful of instructions and the loop keeps up with
+ * the memory bus.
+ *
+ * More rows take panels of output features, dequantized once per call into a small
+ * per-thread buffer (never the whole matrix), where the work is bound by multiply-adds:
+ * - with AMX (Sapphire Rapids on), each weight w = q * D + MB, formed in float32, is split
+ *   into two bfloat16, w = hi + lo (hi its top 16 bits, lo the rest rounded: |error| <
+ *   2^-16 |w|), and the tiles multiply both with x; float32 x is split the same way and
+ *   x_lo * hi is added, so the result is x @ W.T to about 2^-15 of |x| |w|, inside the
+ *   tests' 1e-4, at AMX's rate (a 16 x 16 x 32 product an instruction);
+ * - without AMX (Zen 4), vdpbf16ps over the integers themselves: integers and bfloat16
+ *   activations are exact in bfloat16, products of two bfloat16 exact in float32, so
+ *   each block's dot product is scaled by D and its offset added once; float32 x is split
+ *   into hi + lo rows.
+ * Measured on this project's Sapphire Rapids machines, vdpbf16ps retires one a ~3 cycles
+ * where a float32 FMA retires two a cycle: the streaming path uses FMAs for that reason.
+ */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define DIRECT512 4
+#define PANEL512 48 /* features per panel of the vdpbf16ps path: three vectors of 16 */
+
+/* Block b's integers as 32 float32 (q[0]: columns 32 b .. 32 b + 15, q[1]: the rest), its
+ * scale and offset. FMT is a constant where this is inlined. int8 columns past k read 0. */
+static inline __attribute__((always_inline)) void qblock_ps(const int FMT, const uint8_t *row,
+                                                            int64_t b, int64_t k, __m512 q[2],
+                                                            float *D, float *MB) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const uint8_t *nib;
+    int shift = 0;
+    switch (FMT) {
+    case HQ_INT8:
+    case HQ_Q8_0: {
+        const uint8_t *p;
+        uint8_t tail[32];
+        if (FMT == HQ_Q8_0) {
+            p = row + 34 * b + 2;
+            *D = h2f(row + 34 * b);
+        } else {
+            p = row + 32 * b;
+            *D = 1.0f;
+            if (32 * b + 32 > k) {
+                memset(tail, 0, sizeof tail);
+                memcpy(tail, p, (size_t)(k - 32 * b));
+                p = tail;
+            }
+        }
+        *MB = 0.0f;
+        q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+        q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+        return;
+    }
+    case HQ_Q4_0:
+    case HQ_Q4_1: {
+        const int asym = FMT == HQ_Q4_1;
+        const uint8_t *r = row + (asym ? 20 : 18) * b;
+        *D = h2f(r);
+        *MB = asym ? h2f(r + 2) : -8.0f * *D;
+        /* byte i holds value i (low nibble) and value i + 16 (high) */
+        const __m128i v = _mm_loadu_si128((const __m128i *)(r + (asym ? 4 : 2)));
+        q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, m4)));
+        q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4)));
+        return;
+    }
+    default: { /* HQ_Q4_K: super-block b / 8, sub-block j = b % 8 */
+        const uint8_t *r = row + 144 * (b / 8);
+        const int j = (int)(b % 8);
+        int sc, mn;
+        q4k_scale_min(j, r + 4, &sc, &mn);
+        *D = h2f(r) * (float)sc;
+        *MB = -(h2f(r + 2) * (float)mn);
+        /* 32 bytes of nibbles hold sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+        nib = r + 16 + 32 * (j / 2);
+        shift = 4 * (j & 1);
+        const __m128i a = _mm_loadu_si128((const __m128i *)nib);
+        const __m128i c = _mm_loadu_si128((const __m128i *)(nib + 16));
+        q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(a, shift), m4)));
+        q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(c, shift), m4)));
+        return;
+    }
+    }
+}
+
+/* x as float32 rows xf [m][kp] (kp = 32 nb, zero past k) and, for the formats with
+ * offsets, each block's sum xsum [m][nb]. */
+static void widen_x(const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t k, int64_t nb,
+                    float *xf, float *xsum) {
+    const int64_t kp = 32 * nb;
+    for (int64_t i = 0; i < m; i++) {
+        float *dst = xf + i * kp;
+        if (x_bf16)
+            for (int64_t c = 0; c < k; c++) dst[c] = bf2f(((const bf16 *)x)[i * ldx + c]);
+        else
+            memcpy(dst, (const float *)x + i * ldx, (size_t)k * sizeof(float));
+        memset(dst + k, 0, (size_t)(kp - k) * sizeof(float));
+        if (xsum)
+            for (int64_t b = 0; b < nb; b++)
+                xsum[i * nb + b] = _mm512_reduce_add_ps(
+                    _mm512_add_ps(_mm512_loadu_ps(dst + 32 * b), _mm512_loadu_ps(dst + 32 * b + 16)));
+    }
+}
+
+/* One weight row of the streaming path against MM rows of xf. */
+static inline __attribute__((always_inline)) void direct_row(
+    const int FMT, const int MM, int64_t k, int64_t nb, const float *xf, const float *xsum,
+    const uint8_t *row, int64_t j, const float *scale, const float *bias, void *y, int y_bf16,
+    int64_t n) {
+    const int64_t kp = 32 * nb;
+    const int offset = FMT == HQ_Q4_0 || FMT == HQ_Q4_1 || FMT == HQ_Q4_K;
+    __m512 acc[MM];
+    float off[MM];
+    for (int r = 0; r < MM; r++) {
+        acc[r] = _mm512_setzero_ps();
+        off[r] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 q[2];
+        float D, MB;
+        qblock_ps(FMT, row, b, k, q, &D, &MB);
+        const __m512 d = _mm512_set1_ps(D);
+        for (int r = 0; r < MM; r++) {
+            const float *xr = xf + r * kp + 32 * b;
+            __m512 t = _mm512_mul_ps(q[0], _mm512_loadu_ps(xr));
+            t = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xr + 16), t);
+            acc[r] = FMT == HQ_INT8 ? _mm512_add_ps(t, acc[r]) : _mm512_fmadd_ps(d, t, acc[r]);
+            if (offset) off[r] += MB * xsum[r * nb + b];
+        }
+    }
+    for (int r = 0; r < MM; r++)
+        put(y, y_bf16, r * n + j, finish(_mm512_reduce_add_ps(acc[r]) + off[r], scale, bias, j));
+}
+
+static void direct512(int fmt, int64_t m, int64_t k, int64_t nb, const float *xf,
+                      const float *xsum, const uint8_t *w, int64_t n, int64_t rb,
+                      const float *scale, const float *bias, void *y, int y_bf16) {
+    const int par = n * rb * m >= PAR_WORK;
+#define DIRECT_CASE(FMT, MM)                                                                 \
+    case (FMT) * 8 + (MM): {                                                                 \
+        _Pragma("omp parallel for schedule(dynamic, 32) if (par)")                          \
+        for (int64_t j = 0; j < n; j++)                                                      \
+            direct_row(FMT, MM, k, nb, xf, xsum, w + j * rb, j, scale, bias, y, y_bf16, n);  \
+        break;                                                                               \
+    }
+#define DIRECT_FMT(FMT) DIRECT_CASE(FMT, 1) DIRECT_CASE(FMT, 2) DIRECT_CASE(FMT, 3) DIRECT_CASE(FMT, 4)
+    switch (fmt * 8 + (int)m) {
+        DIRECT_FMT(HQ_INT8) DIRECT_FMT(HQ_Q8_0) DIRECT_FMT(HQ_Q4_0) DIRECT_FMT(HQ_Q4_1)
+        DIRECT_FMT(HQ_Q4_K)
+    }
+#undef DIRECT_FMT
+#undef DIRECT_CASE
+}
+
+/* Feature j's weights dequantized into float32 columns 0 .. kp (zero past k): w[kp]. */
+static inline __attribute__((always_inline)) void dequant_ps(const int FMT, const uint8_t *row,
+                                                             int64_t k, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 q[2];
+        float D, MB;
+        qblock_ps(FMT, row, b, k, q, &D, &MB);
+        const __m512 d = _mm512_set1_ps(D), mb = _mm512_set1_ps(MB);
+        _mm512_storeu_ps(w + 32 * b, FMT == HQ_INT8 ? q[0] : _mm512_fmadd_ps(q[0], d, mb));
+        _mm512_storeu_ps(w + 32 * b + 16, FMT == HQ_INT8 ? q[1] : _mm512_fmadd_ps(q[1], d, mb));
+    }
+}
+
+/* hi = the top 16 bits of v (exact in bfloat16), lo = v - hi rounded to bfloat16. */
+static inline void split_bf16(const float *v, int64_t count, bf16 *hi, bf16 *lo) {
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t c = 0; c < count; c += 32) {
+        const __m512 a = _mm512_loadu_ps(v + c), b = _mm512_loadu_ps(v + c + 16);
+        const __m512 ah = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), top));
+        const __m512 bh = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), top));
+        _mm512_storeu_si512(hi + c, (__m512i)_mm512_cvtne2ps_pbh(bh, ah));
+        if (lo)
+            _mm512_storeu_si512(lo + c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh),
+                                                                      _mm512_sub_ps(a, ah)));
+    }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HQ_AMX 1
+#define AMX_F 32 /* features per AMX panel: two A tiles of 16 */
+
+/* Linux hands out AMX's tile state only on request (once per process). */
+static int amx_ready(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                   18 /* XFEATURE_XTILEDATA */) == 0;
+    return state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles: 0-3 results (feature group f x row group g: 2 f + g), 4-5 weights (16 features
+ * x 32 columns), 6-7 activations (16 column pairs x 16 rows x 2, VNNI). All 16 x 64 B. */
+static void amx_configure(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/*
+ * x in the layout the tiles read: for row group g (16 rows, zero past m) and column chunk
+ * c (32 columns): 16 pairs x 16 rows x 2 bf16, at xv[(g * nb + c) * 512]; hi parts, and lo
+ * parts at xv + groups * nb * 512 for float32 x.
+ */
+static void amx_x(const float *xf, int64_t m, int64_t nb, int64_t groups, int lo, bf16 *xv) {
+    const int64_t kp = 32 * nb, half = groups * nb * 512;
+    memset(xv, 0, (size_t)((lo ? 2 : 1) * half) * sizeof(bf16));
+    bf16 *hi_row = malloc((size_t)kp * sizeof(bf16)), *lo_row = malloc((size_t)kp * sizeof(bf16));
+    for (int64_t i = 0; i < m; i++) {
+        split_bf16(xf + i * kp, kp, hi_row, lo ? lo_row : NULL);
+        const int64_t g = i / 16, r = i % 16;
+        for (int64_t c = 0; c < kp; c++) {
+            const int64_t at = (g * nb + c / 32) * 512 + ((c % 32) / 2) * 32 + r * 2 + (c & 1);
+            xv[at] = hi_row[c];
+            if (lo) xv[half + at] = lo_row[c];
+        }
+    }
+    free(hi_row);
+    free(lo_row);
+}
+
+#define AMX_PRODUCTS(A0, A1, AS, B0, B1, TWO)                                                \
+    do {                                                                                     \
+        _tile_loadd(4, (A0), (AS));                                                          \
+        _tile_loadd(5, (A1), (AS));                                                          \
+        _tile_loadd(6, (B0), 64);                                                            \
+        if (TWO) _tile_loadd(7, (B1), 64);                                                   \
+        _tile_dpbf16ps(0, 4, 6);                                                             \
+        _tile_dpbf16ps(2, 5, 6);                                                             \
+        if (TWO) {                                                                           \
+            _tile_dpbf16ps(1, 4, 7);                                                         \
+            _tile_dpbf16ps(3, 5, 7);                                                         \
+        }                                                                                    \
+    } while (0)
+
+/* The AMX panel path; returns -1 when a thread's buffers cannot be allocated. */
+static int amx512(int fmt, int64_t m, int64_t k, int64_t nb, const float *xf, int x_lo,
+                  const uint8_t *w, int64_t n, int64_t rb, const float *scale, const float *bias,
+                  void *y, int y_bf16) {
+    const int64_t kp = 32 * nb, groups = (m + 15) / 16, panels = (n + AMX_F - 1) / AMX_F;
+    const int64_t half = groups * nb * 512;
+    /* int8's weights are its integers: exact in bfloat16, no lo part */
+    const int w_lo = fmt != HQ_INT8;
+    bf16 *xv = aligned_alloc(64, (size_t)((x_lo ? 2 : 1) * half) * sizeof(bf16));
+    if (!xv) return -1;
+    amx_x(xf, m, nb, groups, x_lo, xv);
+    int failed = 0;
+#pragma omp parallel if (n * rb * m >= PAR_WORK && panels > 1)
+    {
+        const size_t wbytes = (size_t)(AMX_F * kp) * sizeof(bf16);
+        char *mem = aligned_alloc(64, 2 * wbytes + (size_t)(AMX_F * kp + 4 * 256) * sizeof(float));
+        if (!mem) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            amx_configure();
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < panels; p++) {
+            if (!mem) continue;
+            bf16 *whi = (bf16 *)mem, *wlo = (bf16 *)(mem + wbytes);
+            float *wf = (float *)(mem + 2 * wbytes), *cbuf = wf + AMX_F * kp;
+            const int64_t j0 = p * AMX_F, width = n - j0 < AMX_F ? n - j0 : AMX_F;
+            for (int64_t f = 0; f < AMX_F; f++) {
+                float *dst = wf + f * kp;
+                if (f >= width) {
+                    memset(dst, 0, (size_t)kp * sizeof(float));
+                    continue;
+                }
+                const uint8_t *row = w + (j0 + f) * rb;
+                switch (fmt) {
+                case HQ_INT8: dequant_ps(HQ_INT8, row, k, nb, dst); break;
+                case HQ_Q8_0: dequant_ps(HQ_Q8_0, row, k, nb, dst); break;
+                case HQ_Q4_0: dequant_ps(HQ_Q4_0, row, k, nb, dst); break;
+                case HQ_Q4_1: dequant_ps(HQ_Q4_1, row, k, nb, dst); break;
+                default: dequant_ps(HQ_Q4_K, row, k, nb, dst); break;
+                }
+            }
+            split_bf16(wf, AMX_F * kp, whi, w_lo ? wlo : NULL);
+            const int64_t as = kp * (int64_t)sizeof(bf16);
+            for (int64_t g = 0; g < groups; g += 2) {
+                const int two = g + 1 < groups;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t c = 0; c < nb; c++) {
+                    const bf16 *b0 = xv + (g * nb + c) * 512, *b1 = b0 + nb * 512;
+                    const bf16 *h0 = whi + 32 * c, *h1 = h0 + 16 * kp;
+                    AMX_PRODUCTS(h0, h1, as, b0, b1, two);
+                    if (w_lo) AMX_PRODUCTS(wlo + 32 * c, wlo + 32 * c + 16 * kp, as, b0, b1, two);
+                    if (x_lo) AMX_PRODUCTS(h0, h1, as, b0 + half, b1 + half, two);
+                }
+                _tile_stored(0, cbuf, 64);
+                _tile_stored(2, cbuf + 512, 64);
+                if (two) {
+                    _tile_stored(1, cbuf + 256, 64);
+                    _tile_stored(3, cbuf + 768, 64);
+                }
+                /* cbuf[(2 fg + gg) * 256 + feature * 16 + row] */
+                for (int64_t gg = 0; gg < 1 + two; gg++)
+                    for (int64_t r = 0; r < 16; r++) {
+                        const int64_t i = (g + gg) * 16 + r;
+                        if (i >= m) break;
+                        for (int64_t f = 0; f < width; f++) {
+                            const float v = cbuf[(2 * (f / 16) + gg) * 256 + (f % 16) * 16 + r];
+                            put(y, y_bf16, i * n + j0 + f, finish(v, scale, bias, j0 + f));
+                        }
+                    }
+            }
+        }
+        if (mem) _tile_release();
+        free(mem);
+    }
+    free(xv);
+    return failed ? -1 : 0;
+}
+#endif /* AMX */
+
+/* The vdpbf16ps panel path (no AMX) */
+/* The bfloat16 of 0..15, indexed by a nibble held in a 16-bit lane (vpermw's table). */
+static const uint16_t NIB_BF16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120,
+    0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+
+static inline __m512i i8x32_bf16(const uint8_t *p) { /* 32 int8 -> 32 bf16, in order */
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* 32 nibble values in 16-bit lanes (0..15 each) -> 32 bf16. */
+static inline __m512i nib_words_bf16(__m512i words, __m512i table) {
+    return _mm512_permutexvar_epi16(words, table);
+}
+
+/*
+ * Block b (32 weights, from column 32 b) of a weight row in format fmt: its integers as 32
+ * bf16 in column order, its scale *D and offset *MB (the weights are q * D + MB). int8's
+ * scale is the caller's (D = 1); its columns past k are read as zeros.
+ */
+static inline __m512i qblock(int fmt, const uint8_t *row, int64_t b, int64_t k, __m512i table,
+                             float *D, float *MB) {
+    switch (fmt) {
+    case HQ_INT8: {
+        *D = 1.0f;
+        *MB = 0.0f;
+        if (32 * b + 32 <= k) return i8x32_bf16(row + 32 * b);
+        uint8_t tail[32] = {0};
+        memcpy(tail, row + 32 * b, (size_t)(k - 32 * b));
+        return i8x32_bf16(tail);
+    }
+    case HQ_Q8_0: {
+        const uint8_t *r = row + 34 * b;
+        *D = h2f(r);
+        *MB = 0.0f;
+        return i8x32_bf16(r + 2);
+    }
+    case HQ_Q4_0:
+    case HQ_Q4_1: {
+        const int asym = fmt == HQ_Q4_1;
+        const uint8_t *r = row + (asym ? 20 : 18) * b;
+        *D = h2f(r);
+        *MB = asym ? h2f(r + 2) : -8.0f * *D;
+        /* byte i holds value i (low nibble) and value i + 16 (high) */
+        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + (asym ? 4 : 2))));
+        const __m256i m4 = _mm256_set1_epi16(0x0F);
+        __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(w, m4)),
+                                           _mm256_srli_epi16(w, 4), 1);
+        return nib_words_bf16(words, table);
+    }
+    default: { /* HQ_Q4_K: super-block b / 8, sub-block j = b % 8 */
+        const uint8_t *r = row + 144 * (b / 8);
+        const int j = (int)(b % 8);
+        int sc, mn;
+        q4k_scale_min(j, r + 4, &sc, &mn);
+        *D = h2f(r) * (float)sc;
+        *MB = -(h2f(r + 2) * (float)mn);
+        /* 32 bytes of nibbles hold sub-blocks 2c (low) and 2c + 1 (high) */
+        __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(r + 16 + 32 * (j / 2))));
+        __m512i q = (j & 1) ? _mm512_srli_epi16(w, 4) : _mm512_and_si512(w, _mm512_set1_epi16(0x0F));
+        return nib_words_bf16(q, table);
+    }
+    }
+}
+
+/*
+ * The activations as vdpbf16ps reads them: xb [mm][kp] bf16 (kp = nb * 32, zero past k),
+ * mm = m rows of bf16 x as they are, or 2 m for float32 x (rows hi, then rows lo); and
+ * xsum [m][nb], each block's sum of x (exact x, float32), for the formats with offsets.
+ */
+static void prepare_x(const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t k,
+                      int64_t nb, bf16 *xb, float *xsum) {
+    const int64_t kp = nb * 32, mm = x_bf16 ? m : 2 * m;
+    memset(xb, 0, (size_t)(mm * kp) * sizeof(bf16));
+    for (int64_t i = 0; i < m; i++) {
+        for (int64_t c = 0; c < k; c++) {
+            if (x_bf16) {
+                xb[i * kp + c] = ((const bf16 *)x)[i * ldx + c];
+            } else {
+                const float v = ((const float *)x)[i * ldx + c];
+                uint32_t u;
+                memcpy(&u, &v, sizeof u);
+                const bf16 hi = (bf16)(u >> 16); /* truncated: v - hi is exact in float32 */
+                xb[i * kp + c] = hi;
+                /* inf and NaN are carried by hi alone */
+                xb[(m + i) * kp + c] = (u & 0x7F800000u) == 0x7F800000u ? 0 : f2bf(v - bf2f(hi));
+            }
+        }
+        if (xsum)
+            for (int64_t b = 0; b < nb; b++) {
+                float s = 0.0f;
+                for (int64_t c = 32 * b; c < 32 * b + 32 && c < k; c++)
+                    s += x_bf16 ? bf2f(((const bf16 *)x)[i * ldx + c])
+                                : ((const float *)x)[i * ldx + c];
+                xsum[i * nb + b] = s;
+            }
+    }
+}
+
+/* A panel: wp [kp / 2][48][2] bf16 integers of features j0 .. j0 + 48 (zero past n), ds and
+ * ms [nb][48] their blocks' scales and offsets. */
+static void fill_panel(int fmt, const uint8_t *w, int64_t rb, int64_t n, int64_t j0, int64_t k,
+                       int64_t nb, __m512i table, bf16 *wp, float *ds, float *ms) {
+    const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                               6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(PANEL512));
+    for (int64_t c = 0; c < PANEL512; c++) {
+        const int64_t j = j0 + c;
+        for (int64_t b = 0; b < nb; b++) {
+            float D = 0.0f, MB = 0.0f;
+            __m512i q = _mm512_setzero_si512();
+            if (j < n) q = qblock(fmt, w + j * rb, b, k, table, &D, &MB);
+            ds[b * PANEL512 + c] = D;
+            ms[b * PANEL512 + c] = MB;
+            /* pair p of the block goes to wp[(16 b + p) * 48 + c] (as 32 bits) */
+            _mm512_i32scatter_epi32((int *)wp + 16 * b * PANEL512 + c, stride, q, 4);
+        }
+    }
+}
+
+/* R rows x 48 features of a panel: out[r][0..48) = sum over blocks of D * (q . x). */
+#define PANEL_KERNEL(R)                                                                      \
+    static void pk_##R(const bf16 *xb, int64_t kp, int64_t nb, const bf16 *wp,              \
+                       const float *ds, float *out) {                                        \
+        __m512 acc[R][3];                                                                    \
+        for (int r = 0; r < R; r++)                                                          \
+            for (int v = 0; v < 3; v++) acc[r][v] = _mm512_setzero_ps();                     \
+        const uint32_t *pairs = (const uint32_t *)xb; /* row r's pair p: [r * kp / 2 + p] */ \
+        for (int64_t b = 0; b < nb; b++) {                                                   \
+            __m512 blk[R][3];                                                                \
+            for (int r = 0; r < R; r++)                                                      \
+                for (int v = 0; v < 3; v++) blk[r][v] = _mm512_setzero_ps();                 \
+            for (int64_t p = 16 * b; p < 16 * b + 16; p++) {                                 \
+                const bf16 *wk = wp + p * 2 * PANEL512;                                      \
+                const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk);                        \
+                const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 32);                   \
+                const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64);                   \
+                for (int r = 0; r < R; r++) {                                                \
+                    const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pairs[r * (kp / 2) + p]); \
+                    blk[r][0] = _mm512_dpbf16_ps(blk[r][0], xv, w0);                          \
+                    blk[r][1] = _mm512_dpbf16_ps(blk[r][1], xv, w1);                          \
+                    blk[r][2] = _mm512_dpbf16_ps(blk[r][2], xv, w2);                          \
+                }                                                                            \
+            }                                                                                \
+            for (int v = 0; v < 3; v++) {                                                    \
+                const __m512 d = _mm512_loadu_ps(ds + b * PANEL512 + 16 * v);                \
+                for (int r = 0; r < R; r++) acc[r][v] = _mm512_fmadd_ps(blk[r][v], d, acc[r][v]); \
+            }                                                                                \
+        }                                                                                    \
+        for (int r = 0; r < R; r++)                                                          \
+            for (int v = 0; v < 3; v++) _mm512_storeu_ps(out + r * PANEL512 + 16 * v, acc[r][v]); \
+    }
+PANEL_KERNEL(1) PANEL_KERNEL(2) PANEL_KERNEL(3) PANEL_KERNEL(4)
+typedef void (*panel_fn)(const bf16 *, int64_t, int64_t, const bf16 *, const float *, float *);
+static const panel_fn PANEL_KERNELS[4] = {pk_1, pk_2, pk_3, pk_4};
+
+/* The panel path; returns -1 when a thread's buffers cannot be allocated. */
+static int tiled512(int fmt, int64_t m, int64_t mm, int64_t k, int64_t nb, const bf16 *xb,
+                    const float *xsum, const uint8_t *w, int64_t n, int64_t rb,
+                    const float *scale, const float *bias, void *y, int y_bf16) {
+    const int64_t kp = nb * 32, panels = (n + PANEL512 - 1) / PANEL512;
+    const int offsets = fmt == HQ_Q4_0 || fmt == HQ_Q4_1 || fmt == HQ_Q4_K;
+    int failed = 0;
+#pragma omp parallel if (n * rb * m >= PAR_WORK && panels > 1)
+    {
+        const size_t wp_bytes = (size_t)(kp * PANEL512) * sizeof(bf16);
+        const size_t s_bytes = (size_t)(nb * PANEL512) * sizeof(float);
+        const size_t o_bytes = (size_t)(mm * PANEL512) * sizeof(float);
+        char *mem = aligned_alloc(64, wp_bytes + 2 * s_bytes + o_bytes + 64);
+        if (!mem) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        const __m512i table = _mm512_loadu_si512(NIB_BF16);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < panels; p++) {
+            if (!mem) continue;
+            bf16 *wp = (bf16 *)mem;
+            float *ds = (float *)(mem + wp_bytes), *ms = ds + nb * PANEL512;
+            float *out = ms + nb * PANEL512;
+            const int64_t j0 = p * PANEL512, width = n - j0 < PANEL512 ? n - j0 : PANEL512;
+            fill_panel(fmt, w, rb, n, j0, k, nb, table, wp, ds, ms);
+            for (int64_t r0 = 0; r0 < mm; r0 += 4) {
+                const int64_t rows = mm - r0 < 4 ? mm - r0 : 4;
+                PANEL_KERNELS[rows - 1](xb + r0 * kp, kp, nb, wp, ds, out + r0 * PANEL512);
+            }
+            for (int64_t i = 0; i < m; i++) {
+                float *o = out + i * PANEL512;
+                for (int v = 0; v < 3; v++) {
+                    __m512 s = _mm512_loadu_ps(o + 16 * v);
+                    if (mm > m) s = _mm512_add_ps(s, _mm512_loadu_ps(out + (m + i) * PANEL512 + 16 * v));
+                    if (offsets)
+                        for (int64_t b = 0; b < nb; b++)
+                            s = _mm512_fmadd_ps(_mm512_loadu_ps(ms + b * PANEL512 + 16 * v),
+                                                _mm512_set1_ps(xsum[i * nb + b]), s);
+                    _mm512_storeu_ps(o + 16 * v, s);
+                }
+                for (int64_t c = 0; c < width; c++)
+                    put(y, y_bf16, i * n + j0 + c, finish(o[c], scale, bias, j0 + c));
+            }
+        }
+        free(mem);
+    }
+    return failed ? -1 : 0;
+}
+
+/* hq_linear on this path: no widened copy of x in hq_linear's sense, both row regimes. */
+static int linear512(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t k,
+                     const uint8_t *w, int64_t n, int64_t rb, const float *scale,
+                     const float *bias, void *y, int y_bf16) {
+    const int64_t nb = (k + 31) / 32, kp = nb * 32;
+    const int offsets = fmt == HQ_Q4_0 || fmt == HQ_Q4_1 || fmt == HQ_Q4_K;
+    int amx = 0;
+#ifdef HQ_AMX
+    amx = m > DIRECT512 && amx_ready();
+#endif
+    if (m <= DIRECT512 || amx) {
+        const int sums = offsets && m <= DIRECT512;
+        float *xf = aligned_alloc(64, (size_t)(m * kp) * sizeof(float) + 64);
+        float *xsum = sums ? malloc((size_t)(m * nb) * sizeof(float) + 4) : NULL;
+        int rc = -1;
+        if (xf && (xsum || !sums)) {
+            widen_x(x, ldx, x_bf16, m, k, nb, xf, xsum);
+            if (m <= DIRECT512) {
+                direct512(fmt, m, k, nb, xf, xsum, w, n, rb, scale, bias, y, y_bf16);
+                rc = 0;
+            }
+#ifdef HQ_AMX
+            else
+                rc = amx512(fmt, m, k, nb, xf, !x_bf16, w, n, rb, scale, bias, y, y_bf16);
+#endif
+        }
+        free(xf);
+        free(xsum);
+        return rc;
+    }
+    const int64_t mm = x_bf16 ? m : 2 * m;
+    bf16 *xb = aligned_alloc(64, (size_t)(mm * kp) * sizeof(bf16) + 64);
+    float *xsum = offsets ? malloc((size_t)(m * nb) * sizeof(float) + 4) : NULL;
+    int rc = -1;
+    if (xb && (xsum || !offsets)) {
+        prepare_x(x, ldx, x_bf16, m, k, nb, xb, xsum);
+        rc = tiled512(fmt, m, mm, k, nb, xb, xsum, w, n, rb, scale, bias, y, y_bf16);
+    }
+    free(xb);
+    free(xsum);
+    return rc;
+}
+#endif /* HQ_AVX512 */
+
 /*
  * y [m, n] (contiguous; float32, or bfloat16 when y_bf16) = x [m, k] (rows ldx elements
  * apart; float32, or bfloat16 when x_bf16) @ W.T (+ bias [n] float32), for the weight w of
@@ -474,6 +1072,10 @@ int hq_linear(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m, int64_
     const int64_t rb = row_bytes(fmt, k);
     if (rb < 0 || m < 0 || n < 0 || k < 0) return -1;
     if (m == 0 || n == 0) return 0;
+    if (fmt != HQ_INT8) scale = NULL;
+#ifdef HQ_AVX512
+    return linear512(fmt, x, ldx, x_bf16, m, k, w, n, rb, scale, bias, y, y_bf16) ? -2 : 0;
+#endif
     const float *xf = x;
     float *widened = NULL;
     if (x_bf16) { /* exact: bfloat16 is the top half of a float32 */
@@ -485,7 +1087,6 @@ int hq_linear(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m, int64_
         xf = widened;
         ldx = k;
     }
-    if (fmt != HQ_INT8) scale = NULL;
     int rc = 0;
 #ifdef HQ_AVX2
     if (m <= DIRECT_ROWS)
@@ -497,12 +1098,24 @@ int hq_linear(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m, int64_
     return rc;
 }
 
+/* Whether more than DIRECT512 rows run on AMX tiles here (its split weights compute x @ W.T
+ * to about 2^-15 of |x| |w| instead of float32 rounding). */
+int hq_amx(void) {
+#ifdef HQ_AMX
+    return amx_ready();
+#else
+    return 0;
+#endif
+}
+
 /* row_bytes for Python's checks: one definition of each format's size. */
 int64_t hq_row_bytes(int fmt, int64_t k) { return row_bytes(fmt, k); }
 
-/* Which path this build runs: 1 AVX2 + FMA + F16C, 0 portable C. */
+/* Which path this build runs: 2 AVX-512 BF16, 1 AVX2 + FMA + F16C, 0 portable C. */
 int hq_simd(void) {
-#ifdef HQ_AVX2
+#if defined(HQ_AVX512)
+    return 2;
+#elif defined(HQ_AVX2)
     return 1;
 #else
     return 0;

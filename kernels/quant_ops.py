@@ -35,12 +35,15 @@ _I = ctypes.c_int64
 _C = ctypes.c_int
 
 
-def build(directory: Path | None = None, march: str = "native") -> Path:
+def build(
+    directory: Path | None = None, march: str = "native", extra: tuple[str, ...] = ()
+) -> Path:
     """Compile ``quant_ops.c`` unless a build for this source, compiler and CPU exists;
-    returns the library's path. ``march="x86-64"`` builds the portable C path. Raises
+    returns the library's path. ``march="x86-64"`` builds the portable C path, ``extra``
+    adds flags (tests build ``-mno-amx-tile`` to run the AVX-512 path without AMX). Raises
     RuntimeError with the compiler's message when it fails."""
     compiler = os.environ.get("CC", "cc")
-    flags = (f"-march={march}", *FLAGS)
+    flags = (f"-march={march}", *extra, *FLAGS)
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(flags), compiler, _cpu_fingerprint()):
         digest.update(part if isinstance(part, bytes) else part.encode())
@@ -84,8 +87,13 @@ class QuantOps:
         lib.hq_row_bytes.restype = _I
         lib.hq_simd.argtypes = ()
         lib.hq_simd.restype = _C
+        lib.hq_amx.argtypes = ()
+        lib.hq_amx.restype = _C
         self._lib = lib
-        self.simd = "avx2" if lib.hq_simd() == 1 else "portable"
+        self.simd = {2: "avx512_bf16", 1: "avx2"}.get(lib.hq_simd(), "portable")
+        # Rows past the streaming path's 4 multiply on AMX tiles, with bf16 hi + lo weights:
+        # x @ W.T to ~2**-15 of |x| |w| rather than to float32 rounding.
+        self.amx = bool(lib.hq_amx())
 
     def supports(self, qw: QuantizedWeight) -> bool:
         """CPU weights in GGUF blocks, or int8 with one scale per output feature."""

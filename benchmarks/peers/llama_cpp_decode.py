@@ -148,6 +148,21 @@ def generate_c1(path: str, prompts: list[list[int]], max_tokens: int, threads: i
     }
 
 
+def without_extra_bufts() -> None:
+    """Model loads from here on keep the GGUF's weights in plain buffers: no repacking, so
+    no AMX path. ggml's AMX matmul executed tile instructions in threads that had loaded no
+    tile configuration and died of SIGILL on the project's Sapphire Rapids machines."""
+    default = L.llama_cpp.llama_model_default_params
+
+    def params() -> object:
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    L.llama_model_default_params = params
+    L.llama_cpp.llama_model_default_params = params  # what Llama() calls
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", required=True, help="the GGUF file")
@@ -159,7 +174,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--skip-generate", action="store_true")
+    ap.add_argument(
+        "--no-extra-bufts",
+        action="store_true",
+        help="no repacked weight buffers (ggml's AMX path among them)",
+    )
     args = ap.parse_args()
+    if args.no_extra_bufts:
+        without_extra_bufts()
     L.llama_backend_init()
     with open(args.prompts) as f:
         prompts = json.load(f)
@@ -170,6 +192,7 @@ def main() -> None:
     levels_out, size = batch_levels(args.model, prompts, levels, args.max_tokens, args.threads)
     result = {
         "version": L.__version__,
+        "extra_bufts": not args.no_extra_bufts,
         "threads": args.threads,
         "weight_bytes": size,
         "system_info": L.llama_print_system_info().decode(),

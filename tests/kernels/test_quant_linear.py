@@ -41,8 +41,9 @@ def ops() -> quant_ops.QuantOps:
 
 def test_the_build_follows_the_host_cpu(ops: quant_ops.QuantOps) -> None:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    has = all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
-    assert ops.simd == ("avx2" if has else "portable")
+    avx2 = all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
+    avx512 = avx2 and all(f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512_bf16"))
+    assert ops.simd == ("avx512_bf16" if avx512 else "avx2" if avx2 else "portable")
 
 
 @pytest.mark.parametrize("fmt", CPU_FORMATS)
@@ -117,20 +118,38 @@ def test_the_identity_reads_back_gguf_s_dequantized_weights(ops: quant_ops.Quant
         for m in (1, 2, k):  # both paths: rows one by one, and a tiled identity
             eye = torch.eye(k)[:m]
             y = ops.linear(eye, qw, None).double()
-            torch.testing.assert_close(y, dequantize_reference(qw)[:, :m].T, rtol=1e-6, atol=0)
+            # AMX tiles read each weight as two bfloat16 (hi + lo): 16 bits of it
+            rtol = 2**-15 if ops.amx and m > 4 else 1e-6
+            torch.testing.assert_close(y, dequantize_reference(qw)[:, :m].T, rtol=rtol, atol=0)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets")
-def test_the_portable_build_computes_what_the_avx2_build_does(
-    ops: quant_ops.QuantOps, tmp_path: Path
+@pytest.mark.parametrize(
+    ("march", "extra", "simd"),
+    [
+        ("x86-64", (), "portable"),
+        ("haswell", (), "avx2"),
+        ("native", ("-mno-amx-tile",), "avx512_bf16"),  # its vdpbf16ps panels (Zen 4's)
+    ],
+)
+def test_every_build_computes_the_same_function(
+    ops: quant_ops.QuantOps, tmp_path: Path, march: str, extra: tuple[str, ...], simd: str
 ) -> None:
-    portable = quant_ops.QuantOps(quant_ops.build(tmp_path, march="x86-64"))
-    assert portable.simd == "portable"
+    """The host's build (AVX-512 with AMX tiles where the CPU has them) against the
+    portable C, the AVX2 and the AVX-512-without-AMX builds: each path is checked on any
+    x86-64 host that can run it."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if simd == "avx2" and not all(f" {f}" in flags for f in ("avx2", "fma", "f16c")):
+        pytest.skip("this CPU cannot run the AVX2 build")
+    if simd == "avx512_bf16" and ops.simd != simd:
+        pytest.skip("this CPU has no AVX-512 BF16")
+    portable = quant_ops.QuantOps(quant_ops.build(tmp_path, march=march, extra=extra))
+    assert portable.simd == simd and not (extra and portable.amx)
     gen = torch.Generator().manual_seed(5)
     for fmt in CPU_FORMATS:
         qw = make_weight(fmt, 37, 2 * block_k(fmt), gen)
         bias = torch.randn(37, generator=gen)
-        for m in (1, 2, 3, 20):
+        for m in (1, 2, 3, 4, 5, 20, 64):
             x32 = torch.randn(m, qw.shape[1], generator=gen)
             for x in (x32, x32.bfloat16()):
                 ours = portable.linear(x, qw, bias)
