@@ -32,7 +32,8 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HQ_AVX2 1
 #include <immintrin.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
+    defined(__AVX512VNNI__)
 #define HQ_AVX512 1
 #endif
 #endif
@@ -578,11 +579,108 @@ static void widen_x(const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t k
     }
 }
 
-/* One weight row of the streaming path against MM rows of xf. */
+/* Block b's integers as 32 int16 in column order, its scale and offset (as qblock_ps). */
+static inline __attribute__((always_inline)) __m512i qblock_epi16(const int FMT,
+                                                                  const uint8_t *row, int64_t b,
+                                                                  int64_t k, float *D, float *MB) {
+    switch (FMT) {
+    case HQ_INT8:
+    case HQ_Q8_0: {
+        const uint8_t *p;
+        uint8_t tail[32];
+        if (FMT == HQ_Q8_0) {
+            p = row + 34 * b + 2;
+            *D = h2f(row + 34 * b);
+        } else {
+            p = row + 32 * b;
+            *D = 1.0f;
+            if (32 * b + 32 > k) {
+                memset(tail, 0, sizeof tail);
+                memcpy(tail, p, (size_t)(k - 32 * b));
+                p = tail;
+            }
+        }
+        *MB = 0.0f;
+        return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    }
+    case HQ_Q4_0:
+    case HQ_Q4_1: {
+        const int asym = FMT == HQ_Q4_1;
+        const uint8_t *r = row + (asym ? 20 : 18) * b;
+        *D = h2f(r);
+        *MB = asym ? h2f(r + 2) : -8.0f * *D;
+        const __m128i m4 = _mm_set1_epi8(0x0F);
+        const __m128i v = _mm_loadu_si128((const __m128i *)(r + (asym ? 4 : 2)));
+        const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4),
+                                              _mm_and_si128(v, m4));
+        return _mm512_cvtepu8_epi16(both);
+    }
+    default: { /* HQ_Q4_K */
+        const uint8_t *r = row + 144 * (b / 8);
+        const int j = (int)(b % 8);
+        int sc, mn;
+        q4k_scale_min(j, r + 4, &sc, &mn);
+        *D = h2f(r) * (float)sc;
+        *MB = -(h2f(r + 2) * (float)mn);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(r + 16 + 32 * (j / 2)));
+        const __m256i m4 = _mm256_set1_epi8(0x0F);
+        return _mm512_cvtepu8_epi16(
+            _mm256_and_si256((j & 1) ? _mm256_srli_epi16(v, 4) : v, m4));
+    }
+    }
+}
+
+static inline float pow2(int e) { /* 2^e, -126 <= e <= 127 */
+    const uint32_t u = (uint32_t)(e + 127) << 23;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/*
+ * x for the streaming path: each row's blocks of 32 as int16 with a scale of their own,
+ * xq [m][kp] and sx [m][nb] (x ~ xq * sx, sx a power of two: |error| <= 2^-15 of the
+ * block's largest |x|, about the precision the AMX path's hi + lo split keeps), and each
+ * block's exact sum xsum [m][nb] for the formats with offsets. An all-zero block has
+ * scale 0. A value that rounds to 32768 saturates to 32767 (one unit: the same bound).
+ */
+static void quantize_x16(const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t k,
+                         int64_t nb, int16_t *xq, float *sx, float *xsum) {
+    const int64_t kp = 32 * nb;
+    float buf[32];
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t c0 = 32 * b, len = k - c0 < 32 ? k - c0 : 32;
+            for (int64_t c = 0; c < 32; c++)
+                buf[c] = c >= len ? 0.0f
+                         : x_bf16 ? bf2f(((const bf16 *)x)[i * ldx + c0 + c])
+                                  : ((const float *)x)[i * ldx + c0 + c];
+            const __m512 a = _mm512_loadu_ps(buf), z = _mm512_loadu_ps(buf + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(z)));
+            if (xsum) xsum[i * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(a, z));
+            /* a power of two: scaling is exact, and x's of few bits (one-hot rows) stay exact */
+            uint32_t u;
+            memcpy(&u, &amax, sizeof u);
+            int e = (int)(u >> 23) - 126; /* amax < 2^e */
+            if (e < -111) e = -111;       /* both powers below stay normal floats */
+            const float inv = amax > 0.0f ? pow2(15 - e) : 0.0f;
+            sx[i * nb + b] = amax > 0.0f ? pow2(e - 15) : 0.0f;
+            if (!(amax <= 3.4028235e38f)) sx[i * nb + b] = amax - amax; /* inf, NaN: NaN out */
+            const __m512 s = _mm512_set1_ps(inv);
+            const __m256i qa = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, s)));
+            const __m256i qz = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(z, s)));
+            _mm256_storeu_si256((__m256i *)(xq + i * kp + c0), qa);
+            _mm256_storeu_si256((__m256i *)(xq + i * kp + c0 + 16), qz);
+        }
+}
+
+/* One weight row of the streaming path against the MM rows of xq: per block, vpdpwssd
+ * dots the 32 integer weights with each row's 32 int16, scaled by D times the row's
+ * block scale. */
 static inline __attribute__((always_inline)) void direct_row(
-    const int FMT, const int MM, int64_t k, int64_t nb, const float *xf, const float *xsum,
-    const uint8_t *row, int64_t j, const float *scale, const float *bias, void *y, int y_bf16,
-    int64_t n) {
+    const int FMT, const int MM, int64_t k, int64_t nb, const int16_t *xq, const float *sx,
+    const float *xsum, const uint8_t *row, int64_t j, const float *scale, const float *bias,
+    void *y, int y_bf16, int64_t n) {
     const int64_t kp = 32 * nb;
     const int offset = FMT == HQ_Q4_0 || FMT == HQ_Q4_1 || FMT == HQ_Q4_K;
     __m512 acc[MM];
@@ -592,15 +690,13 @@ static inline __attribute__((always_inline)) void direct_row(
         off[r] = 0.0f;
     }
     for (int64_t b = 0; b < nb; b++) {
-        __m512 q[2];
         float D, MB;
-        qblock_ps(FMT, row, b, k, q, &D, &MB);
-        const __m512 d = _mm512_set1_ps(D);
+        const __m512i q = qblock_epi16(FMT, row, b, k, &D, &MB);
         for (int r = 0; r < MM; r++) {
-            const float *xr = xf + r * kp + 32 * b;
-            __m512 t = _mm512_mul_ps(q[0], _mm512_loadu_ps(xr));
-            t = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xr + 16), t);
-            acc[r] = FMT == HQ_INT8 ? _mm512_add_ps(t, acc[r]) : _mm512_fmadd_ps(d, t, acc[r]);
+            const __m512i xv = _mm512_loadu_si512(xq + r * kp + 32 * b);
+            const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), q, xv);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(D * sx[r * nb + b]),
+                                     acc[r]);
             if (offset) off[r] += MB * xsum[r * nb + b];
         }
     }
@@ -608,15 +704,15 @@ static inline __attribute__((always_inline)) void direct_row(
         put(y, y_bf16, r * n + j, finish(_mm512_reduce_add_ps(acc[r]) + off[r], scale, bias, j));
 }
 
-static void direct512(int fmt, int64_t m, int64_t k, int64_t nb, const float *xf,
-                      const float *xsum, const uint8_t *w, int64_t n, int64_t rb,
-                      const float *scale, const float *bias, void *y, int y_bf16) {
+static void direct512(int fmt, int64_t m, int64_t k, int64_t nb, const int16_t *xq,
+                      const float *sx, const float *xsum, const uint8_t *w, int64_t n,
+                      int64_t rb, const float *scale, const float *bias, void *y, int y_bf16) {
     const int par = n * rb * m >= PAR_WORK;
 #define DIRECT_CASE(FMT, MM)                                                                 \
     case (FMT) * 8 + (MM): {                                                                 \
         _Pragma("omp parallel for schedule(dynamic, 32) if (par)")                          \
         for (int64_t j = 0; j < n; j++)                                                      \
-            direct_row(FMT, MM, k, nb, xf, xsum, w + j * rb, j, scale, bias, y, y_bf16, n);  \
+            direct_row(FMT, MM, k, nb, xq, sx, xsum, w + j * rb, j, scale, bias, y, y_bf16, n); \
         break;                                                                               \
     }
 #define DIRECT_FMT(FMT) DIRECT_CASE(FMT, 1) DIRECT_CASE(FMT, 2) DIRECT_CASE(FMT, 3) DIRECT_CASE(FMT, 4)
@@ -1025,26 +1121,31 @@ static int linear512(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m,
 #ifdef HQ_AMX
     amx = m > DIRECT512 && amx_ready();
 #endif
-    if (m <= DIRECT512 || amx) {
-        const int sums = offsets && m <= DIRECT512;
-        float *xf = aligned_alloc(64, (size_t)(m * kp) * sizeof(float) + 64);
-        float *xsum = sums ? malloc((size_t)(m * nb) * sizeof(float) + 4) : NULL;
+    if (m <= DIRECT512) {
+        int16_t *xq = aligned_alloc(64, (size_t)(m * kp) * sizeof(int16_t) + 64);
+        float *sx = malloc((size_t)(2 * m * nb) * sizeof(float) + 4);
         int rc = -1;
-        if (xf && (xsum || !sums)) {
-            widen_x(x, ldx, x_bf16, m, k, nb, xf, xsum);
-            if (m <= DIRECT512) {
-                direct512(fmt, m, k, nb, xf, xsum, w, n, rb, scale, bias, y, y_bf16);
-                rc = 0;
-            }
-#ifdef HQ_AMX
-            else
-                rc = amx512(fmt, m, k, nb, xf, !x_bf16, w, n, rb, scale, bias, y, y_bf16);
-#endif
+        if (xq && sx) {
+            quantize_x16(x, ldx, x_bf16, m, k, nb, xq, sx, offsets ? sx + m * nb : NULL);
+            direct512(fmt, m, k, nb, xq, sx, sx + m * nb, w, n, rb, scale, bias, y, y_bf16);
+            rc = 0;
         }
-        free(xf);
-        free(xsum);
+        free(xq);
+        free(sx);
         return rc;
     }
+#ifdef HQ_AMX
+    if (amx) {
+        float *xf = aligned_alloc(64, (size_t)(m * kp) * sizeof(float) + 64);
+        int rc = -1;
+        if (xf) {
+            widen_x(x, ldx, x_bf16, m, k, nb, xf, NULL);
+            rc = amx512(fmt, m, k, nb, xf, !x_bf16, w, n, rb, scale, bias, y, y_bf16);
+        }
+        free(xf);
+        return rc;
+    }
+#endif
     const int64_t mm = x_bf16 ? m : 2 * m;
     bf16 *xb = aligned_alloc(64, (size_t)(mm * kp) * sizeof(bf16) + 64);
     float *xsum = offsets ? malloc((size_t)(m * nb) * sizeof(float) + 4) : NULL;
