@@ -18,8 +18,9 @@ without it the llama.cpp rows are skipped). Each side gets one warm-up request p
 
 The bandwidth bound of a format is the single stream's ceiling when every decode step
 reads each weight once: measured copy bandwidth (bytes read + written per second, the best
-of a few 256 MB copies) over the bytes of weights held. Prints a table, the ratios to
-llama.cpp and to bf16, and each single stream's share of its bound.
+of a few 256 MB copies) over the bytes of weights a step reads (``read MB``: all but an
+embedding table that is not also the LM head; llama.cpp's: its whole model). Prints a
+table, the ratios to llama.cpp and to bf16, and each single stream's share of its bound.
 
     python benchmarks/bench_quant.py                    # concurrency 1 32, every variant
     python benchmarks/bench_quant.py --concurrency 1 --variants fp32 gguf
@@ -86,17 +87,23 @@ def snapshot(gguf: Path, model: str) -> Path:
 
 
 def weight_bytes(model: LlamaModel) -> int:
-    """Bytes of weights the model holds (parameters and quantized buffers, each storage
-    once; the rotary tables are not weights)."""
+    """Bytes of weights a decode step reads: every weight the model holds (parameters,
+    quantized buffers and packed copies, each storage once; the rotary tables are not
+    weights) but the embedding table, which is read a row a token, unless it is the LM
+    head's own weight too (tied and not repacked)."""
     tensors = [p for _, p in model.named_parameters()]
     tensors += [
         b for n, b in model.named_buffers() if not n.split(".")[0].endswith("rope")
     ]  # fmt: skip
     # Packed bf16 linears keep their weight as a plain attribute, not a parameter
     tensors += [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
-    return sum(
-        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    embed = model.embed.weight.untyped_storage()
+    head = getattr(model.lm_head, "weight", None)
+    shared = isinstance(head, torch.Tensor) and (
+        head.untyped_storage().data_ptr() == embed.data_ptr()
     )
+    return sum(held.values()) - (0 if shared else embed.nbytes())
 
 
 # Variant -> (quantization, activation dtype; None: the serving default of this CPU).
@@ -247,7 +254,7 @@ def main() -> None:
         if report is not None:
             note = f", {len(report.quantized)} linears quantized, {len(report.dense)} dense"
         print(f"hotpool {q} ({str(dtype).removeprefix('torch.')} activations): loaded in "
-              f"{load_s:.1f} s, weights {held[q] / 1e6:.0f} MB{note}",
+              f"{load_s:.1f} s, reads {held[q] / 1e6:.0f} MB a step{note}",
               flush=True)  # fmt: skip
         warm_up(model)
         for c in args.concurrency:
@@ -257,7 +264,7 @@ def main() -> None:
 
     engines = [e for e in [*args.variants, "llama.cpp"] if any(k[0] == e for k in rows)]
     header = f"{'engine':<16} {'conc':>4} {'reqs':>4} | {'tok/s':>7} {'TTFT s':>7} "
-    header += f"{'TPOT ms':>8} | {'weights MB':>10} {'bound tok/s':>11} {'of bound':>8} | "
+    header += f"{'TPOT ms':>8} | {'read MB':>10} {'bound tok/s':>11} {'of bound':>8} | "
     header += f"{'vs llama.cpp':>12} {'vs bf16':>7}"
     print()
     print(header)

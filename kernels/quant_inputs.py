@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from hotpool.kernels.quant_weight import GgufWeight, Int4Weight, Int8Weight, QuantizedWeight
+from hotpool.kernels.quant_weight import (
+    GgufWeight,
+    Int4Weight,
+    Int8Weight,
+    InterleavedWeight,
+    QuantizedWeight,
+)
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -16,7 +22,7 @@ def check_linear_inputs(
     """Raises ValueError unless ``x`` is ``[m, k]`` float32/bfloat16 with contiguous rows
     (rows may be strided) on the weight's device and ``bias`` is ``[n]`` floating point
     there; returns the bias as contiguous float32 (or None)."""
-    if not isinstance(qw, Int8Weight | GgufWeight | Int4Weight):
+    if not isinstance(qw, Int8Weight | GgufWeight | InterleavedWeight | Int4Weight):
         raise ValueError(f"qw must be a quantized weight, got {type(qw).__name__}")
     n, k = qw.shape
     if not isinstance(x, torch.Tensor) or x.dim() != 2:

@@ -18,18 +18,21 @@ dtype (float32 or bfloat16).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from hotpool.kernels import quant_ops
 from hotpool.kernels.quant_inputs import check_linear_inputs
+from hotpool.kernels.quant_interleave import deinterleave, interleave
 from hotpool.kernels.quant_torch import repack_for_triton, torch_quant_linear
 from hotpool.kernels.quant_weight import (
     GgufKind,
     GgufWeight,
     Int4Weight,
     Int8Weight,
+    InterleavedWeight,
     QuantizedWeight,
 )
 
@@ -48,7 +51,7 @@ def quant_linear(
             return ops.linear(x, qw, b)
     elif x.device.type == "cuda":
         kernels = _triton()
-        if isinstance(qw, GgufWeight):
+        if isinstance(qw, GgufWeight | InterleavedWeight):
             _warn_once("GGUF blocks on a GPU run in torch: repack them once with for_device()")
         elif kernels is not None:
             return kernels.triton_quant_linear(x, qw, b)
@@ -66,10 +69,19 @@ def _warn_once(message: str) -> None:
 
 def for_device(qw: QuantizedWeight, device: torch.device | str) -> QuantizedWeight:
     """The weight on ``device`` in the layout its kernels read there: GGUF blocks stay as
-    they are on a CPU and are repacked (once, not dequantized) for a GPU."""
+    they are on a CPU (interleaved where its kernels read them faster so,
+    :meth:`~hotpool.kernels.quant_ops.QuantOps.interleaves`) and are repacked (once, not
+    dequantized) for a GPU."""
     device = torch.device(device)
+    if isinstance(qw, InterleavedWeight) and device.type != "cpu":
+        qw = deinterleave(qw)
     moved = qw.to(device)
-    return repack_for_triton(moved) if device.type == "cuda" else moved
+    if device.type == "cuda":
+        return repack_for_triton(moved)
+    ops = quant_ops.load()
+    if ops is not None and ops.interleaves(moved):
+        return interleave(moved)  # type: ignore[arg-type]
+    return moved
 
 
 _TRITON: list[object] = []
@@ -102,7 +114,7 @@ class QuantizedLinear(nn.Module):
         if isinstance(weight, Int8Weight):
             self.register_buffer("qweight", weight.q)
             self.register_buffer("qscale", weight.scale)
-        elif isinstance(weight, GgufWeight):
+        elif isinstance(weight, GgufWeight | InterleavedWeight):
             self.register_buffer("qweight", weight.data)
             self._gguf_kind = weight.kind
         elif isinstance(weight, Int4Weight):
@@ -116,6 +128,9 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"bias must be [{self.out_features}], got {list(bias.shape)}")
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.weight = weight
+        self._bound: (
+            tuple[tuple[int, int], Callable[[torch.Tensor], torch.Tensor] | None] | None
+        ) = None
 
     def _apply(self, fn, recurse=True):  # nn.Module's (untyped) signature
         # .to(dtype) would cast floating buffers too (and round the scales): they only move.
@@ -135,18 +150,51 @@ class QuantizedLinear(nn.Module):
     def _rebuild(self) -> QuantizedWeight:
         if self._kind is Int8Weight:
             return Int8Weight(self.qweight, self.qscale)
-        if self._kind is GgufWeight:
+        if self._kind is GgufWeight or self._kind is InterleavedWeight:
             shape = (self.out_features, self.in_features)
-            return GgufWeight(self._gguf_kind, self.qweight, shape)
+            return self._kind(self._gguf_kind, self.qweight, shape)
         return Int4Weight(self.qweight, self.qscale, self.qmin, self._group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The engine's case, checked in a few cheap tests: 2-D CPU rows of the activation
+        # dtypes go straight to the bound C kernel (quant_linear's checks cost more than a
+        # small layer's work at decode).
+        if (
+            x.dim() == 2
+            and x.device.type == "cpu"
+            and (x.dtype is torch.bfloat16 or x.dtype is torch.float32)
+            and x.shape[1] == self.in_features
+            and x.stride(1) == 1
+            and (x.shape[0] == 1 or x.stride(0) >= self.in_features)
+        ):
+            call = self._bound_kernel()
+            if call is not None:
+                return call(x)
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         return quant_linear(rows, self.weight, self.bias).reshape(*lead, self.out_features)
 
+    def _bound_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The C kernel bound to this layer's weight, rebound when its tensors moved."""
+        bias = self._buffers.get("bias")
+        key = (self.qweight.data_ptr(), 0 if bias is None else bias.data_ptr())
+        if self._bound is None or self._bound[0] != key:
+            ops = quant_ops.load()
+            usable = ops is not None and ops.supports(self.weight)
+            self._bound = (key, ops.bind(self.weight, bias) if usable else None)  # type: ignore[union-attr]
+        return self._bound[1]
+
+    def __getstate__(self) -> dict[str, object]:
+        # the bound closure holds raw pointers: copies and pickles bind their own
+        state = self.__dict__.copy()
+        state["_bound"] = None
+        return state
+
     def extra_repr(self) -> str:
-        fmt = self.weight.kind.name if isinstance(self.weight, GgufWeight) else self._kind.__name__
+        fmt = self._kind.__name__
+        if isinstance(self.weight, GgufWeight | InterleavedWeight):
+            interleaved = self._kind is InterleavedWeight
+            fmt = self.weight.kind.name + (" interleaved" if interleaved else "")
         return f"in_features={self.in_features}, out_features={self.out_features}, {fmt}"

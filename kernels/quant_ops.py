@@ -14,13 +14,21 @@ import os
 import platform
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from hotpool.kernels.cpu_ops import _cpu_fingerprint, cache_dir
-from hotpool.kernels.quant_weight import GgufKind, GgufWeight, Int8Weight, QuantizedWeight
+from hotpool.kernels.quant_weight import (
+    INTERLEAVED_KINDS,
+    GgufKind,
+    GgufWeight,
+    Int8Weight,
+    InterleavedWeight,
+    QuantizedWeight,
+)
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +36,7 @@ SOURCE = Path(__file__).with_name("quant_ops.c")
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 # quant_ops.c's format codes
 _CODES = {GgufKind.Q8_0: 1, GgufKind.Q4_0: 2, GgufKind.Q4_1: 3, GgufKind.Q4_K: 4}
+_INTERLEAVED_CODES = {GgufKind.Q8_0: 5, GgufKind.Q4_0: 6, GgufKind.Q4_1: 7}
 _INT8 = 0
 
 _P = ctypes.c_void_p
@@ -96,12 +105,25 @@ class QuantOps:
         self.amx = bool(lib.hq_amx())
 
     def supports(self, qw: QuantizedWeight) -> bool:
-        """CPU weights in GGUF blocks, or int8 with one scale per output feature."""
+        """CPU weights in GGUF blocks, or int8 with one scale per output feature; GGUF
+        blocks interleaved (:meth:`interleaves`) on AVX-512 builds."""
         if qw.device.type != "cpu":
             return False
         if isinstance(qw, Int8Weight):
             return qw.scale.dim() == 1
+        if isinstance(qw, InterleavedWeight):
+            return self.simd == "avx512_bf16"
         return isinstance(qw, GgufWeight)
+
+    def interleaves(self, qw: QuantizedWeight) -> bool:
+        """Whether ``qw`` is served faster interleaved here (quant_interleave.py): Q8_0,
+        Q4_0 and Q4_1 on CPUs with AMX (its kernels read both row counts' paths from it)."""
+        return (
+            self.amx
+            and isinstance(qw, GgufWeight)
+            and qw.kind in INTERLEAVED_KINDS
+            and qw.device.type == "cpu"
+        )
 
     def row_bytes(self, qw: GgufWeight) -> int:
         """The C code's size of a row of blocks (tests hold it to :class:`GgufKind`'s)."""
@@ -112,25 +134,41 @@ class QuantOps:
     ) -> torch.Tensor:
         """``x [m, k] @ W.T (+ bias)`` in ``x``'s dtype (float32 or bfloat16; rows may be
         strided), for a weight :meth:`supports`; ``bias`` float32 ``[n]`` or None."""
+        return self.bind(qw, bias)(x)
+
+    def bind(
+        self, qw: QuantizedWeight, bias: torch.Tensor | None
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`linear` with the weight and bias fixed: what a layer calls every step.
+        A decode step makes ~120 such calls, so the per-call Python is kept to a ctypes
+        call and the output's allocation. The weight's and bias's tensors must stay where
+        they are while the callable is used (QuantizedLinear rebinds when they move)."""
         n, k = qw.shape
         if isinstance(qw, Int8Weight):
             code, data, scale = _INT8, qw.q.data_ptr(), qw.scale.data_ptr()
         elif isinstance(qw, GgufWeight):
             code, data, scale = _CODES[qw.kind], qw.data.data_ptr(), None
+        elif isinstance(qw, InterleavedWeight):
+            code, data, scale = _INTERLEAVED_CODES[qw.kind], qw.data.data_ptr(), None
         else:
             raise ValueError(f"the C kernels take int8 and GGUF weights, not {type(qw).__name__}")
-        m = x.shape[0]
-        y = x.new_empty(m, n)
-        bf16 = int(x.dtype == torch.bfloat16)
-        rc = self._lib.hq_linear(
-            code, x.data_ptr(), x.stride(0), bf16, m, k, data, n, scale,
-            None if bias is None else bias.data_ptr(), y.data_ptr(), bf16,
-        )  # fmt: skip
-        if rc == -2:
-            raise MemoryError("quant_ops: out of memory for the kernel's buffers")
-        if rc != 0:
-            raise ValueError(f"quant_ops rejected a {type(qw).__name__} of shape {qw.shape}")
-        return y
+        b = None if bias is None else bias.data_ptr()
+        fn, name = self._lib.hq_linear, type(qw).__name__
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            m = x.shape[0]
+            y = torch.empty((m, n), dtype=x.dtype)
+            bf16 = 1 if x.dtype is torch.bfloat16 else 0
+            rc = fn(
+                code, x.data_ptr(), x.stride(0), bf16, m, k, data, n, scale, b, y.data_ptr(), bf16
+            )
+            if rc == -2:
+                raise MemoryError("quant_ops: out of memory for the kernel's buffers")
+            if rc != 0:
+                raise ValueError(f"quant_ops rejected a {name} of shape {qw.shape}")
+            return y
+
+        return call
 
     # Process-wide and stateless: modules holding it copy and pickle cleanly.
     def __deepcopy__(self, memo: dict[int, object]) -> QuantOps:

@@ -12,16 +12,20 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from hotpool.kernels.quant_interleave import deinterleave
 from hotpool.kernels.quant_weight import (
     GgufKind,
     GgufWeight,
     Int8Weight,
+    InterleavedWeight,
     QuantizedWeight,
 )
 
 
 def dequantize_reference(qw: QuantizedWeight) -> torch.Tensor:
     """The weight ``[n, k]`` in float64 on the CPU, exactly as its format defines it."""
+    if isinstance(qw, InterleavedWeight):
+        qw = deinterleave(qw)
     if isinstance(qw, GgufWeight):
         raw = qw.data.cpu().numpy()
         values = dequantize(raw, GGMLQuantizationType(int(qw.kind)))

@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hotpool.kernels.quant_interleave import deinterleave
 from hotpool.kernels.quant_weight import (
     GgufKind,
     GgufWeight,
     Int4Weight,
     Int8Weight,
+    InterleavedWeight,
     QuantizedWeight,
     pack_nibbles,
 )
@@ -78,6 +80,8 @@ def torch_quant_linear(
 ) -> torch.Tensor:
     """``x @ deq(W).T (+ bias)`` in float32, returned in ``x``'s dtype (inputs checked by
     the caller, :func:`hotpool.kernels.quant_linear.quant_linear`)."""
+    if isinstance(qw, InterleavedWeight):
+        qw = deinterleave(qw)
     n = qw.shape[0]
     xf = x.float()
     parts = []
@@ -93,6 +97,8 @@ def repack_for_triton(qw: QuantizedWeight) -> Int8Weight | Int4Weight:
     int8 with a scale per 32 columns, Q4_0 / Q4_1 / Q4_K as int4 groups of 32 (Q4_K's
     sub-block scale ``d * sc`` and minimum ``-dmin * m`` folded once, in float32). A repack,
     about the size of the blocks, never a float copy. Int8 and int4 weights pass through."""
+    if isinstance(qw, InterleavedWeight):
+        qw = deinterleave(qw)
     if not isinstance(qw, GgufWeight):
         return qw
     n, k = qw.shape

@@ -8,6 +8,9 @@ one of:
   columns (``[n, k / g]``, GGUF Q8_0 repacked for the GPU).
 - :class:`GgufWeight`: GGUF's own blocks, byte for byte as a ``.gguf`` file stores them, one
   row of blocks per output feature (``uint8 [n, row_bytes]``): Q8_0, Q4_0, Q4_1, Q4_K.
+- :class:`InterleavedWeight`: GGUF Q8_0 / Q4_0 / Q4_1 blocks reordered so that 16 output
+  features' blocks of the same columns lie together (the CPU kernels' layout on AMX
+  machines; :mod:`hotpool.kernels.quant_interleave` makes and undoes it): the same bytes.
 - :class:`Int4Weight`: two nibbles a byte (``uint8 [n, k / 2]``, column ``2 i`` in the low
   nibble of byte ``i``, ``2 i + 1`` in the high one) and float32 scales ``[n, k / g]`` per
   group of ``g`` columns: ``W = (q - 8) * scale``, or ``q * scale + minimum`` where there is
@@ -179,7 +182,46 @@ class Int4Weight:
         return Int4Weight(self.packed.to(device), self.scale.to(device), minimum, self.group_size)
 
 
-QuantizedWeight = Int8Weight | GgufWeight | Int4Weight
+INTERLEAVED_KINDS = (GgufKind.Q8_0, GgufKind.Q4_0, GgufKind.Q4_1)
+INTERLEAVE = 16  # output features a group
+
+
+@dataclass(frozen=True)
+class InterleavedWeight:
+    """A GgufWeight of ``shape`` ``(n, k)`` in groups of 16 output features (the last one
+    padded with zero features): ``uint8 [ceil(n / 16), k / 32 * 16 * block_bytes]``. Group
+    ``g``'s 32-column block ``b`` holds the 16 features' fp16 scales ``d`` (then Q4_1's
+    ``m``), then their integers by column pair ``p``: Q4_* one byte a feature (column
+    ``2 p`` low nibble, ``2 p + 1`` high), Q8_0 two (``2 p``, ``2 p + 1``)."""
+
+    kind: GgufKind
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if self.kind not in INTERLEAVED_KINDS:
+            kinds = [k.name for k in INTERLEAVED_KINDS]
+            raise ValueError(f"only {kinds} interleave, got {self.kind!r}")
+        n, k = self.shape
+        if n <= 0:
+            raise ValueError(f"a weight needs at least one output feature, got n = {n}")
+        _check_k(k, 32, self.kind.name)
+        groups = -(-n // INTERLEAVE)
+        _check_2d(self.data, "data", torch.uint8, (groups, INTERLEAVE * self.kind.row_bytes(k)))
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def to(self, device: torch.device | str) -> InterleavedWeight:
+        return InterleavedWeight(self.kind, self.data.to(device), self.shape)
+
+
+QuantizedWeight = Int8Weight | GgufWeight | InterleavedWeight | Int4Weight
 
 
 def _float_weight(w: torch.Tensor) -> torch.Tensor:
