@@ -792,6 +792,19 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* A thread's buffer of the AMX paths, tiles configured; NULL (and *failed set) when the
+ * memory is not there. The thread gives both back with _tile_release() and free(). */
+static char *amx_thread_start(size_t bytes, int *failed) {
+    char *mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!mem) {
+#pragma omp atomic write
+        *failed = 1;
+        return NULL;
+    }
+    amx_configure();
+    return mem;
+}
+
 /*
  * x in the layout the tiles read: for row group g (16 rows, zero past m) and column chunk
  * c (32 columns): 16 pairs x 16 rows x 2 bf16, at xv[(g * nb + c) * 512]; hi parts, and lo
@@ -843,13 +856,8 @@ static int amx512(int fmt, int64_t m, int64_t k, int64_t nb, const float *xf, in
 #pragma omp parallel if (n * rb * m >= PAR_WORK && panels > 1)
     {
         const size_t wbytes = (size_t)(AMX_F * kp) * sizeof(bf16);
-        char *mem = aligned_alloc(64, 2 * wbytes + (size_t)(AMX_F * kp + 4 * 256) * sizeof(float));
-        if (!mem) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-            amx_configure();
-        }
+        char *mem = amx_thread_start(2 * wbytes + (size_t)(AMX_F * kp + 4 * 256) * sizeof(float),
+                                     &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < panels; p++) {
             if (!mem) continue;
@@ -1062,13 +1070,7 @@ static int iamx(int fmt, int64_t m, int64_t k, int64_t nb, const float *xf, int 
     {
         /* hi and lo B tiles of two groups for every block, then the results */
         const size_t tiles = (size_t)(2 * 2 * nb * 512);
-        char *mem = aligned_alloc(64, tiles * sizeof(bf16) + 4 * 256 * sizeof(float));
-        if (!mem) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-            amx_configure();
-        }
+        char *mem = amx_thread_start(tiles * sizeof(bf16) + 4 * 256 * sizeof(float), &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t pn = 0; pn < panels; pn++) {
             if (!mem) continue;

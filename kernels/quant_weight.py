@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Self
 
 import numpy as np
 import torch
@@ -110,21 +111,20 @@ class Int8Weight:
 
 
 @dataclass(frozen=True)
-class GgufWeight:
-    """GGUF blocks ``uint8 [n, kind.row_bytes(k)]`` of a weight of ``shape`` ``(n, k)``."""
+class _Blocks:
+    """GGUF blocks of a weight of ``shape`` ``(n, k)`` in some order (the subclasses)."""
 
     kind: GgufKind
     data: torch.Tensor
     shape: tuple[int, int]
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.kind, GgufKind):
-            raise ValueError(f"kind must be a GgufKind, got {self.kind!r}")
+    def _check(self, block: int, data_shape: tuple[int, int]) -> None:
+        """``k`` a whole number of ``block`` columns and ``data`` ``uint8 data_shape``."""
         n, k = self.shape
         if n <= 0:
             raise ValueError(f"a weight needs at least one output feature, got n = {n}")
-        _check_k(k, self.kind.block_size, self.kind.name)
-        _check_2d(self.data, "data", torch.uint8, (n, self.kind.row_bytes(k)))
+        _check_k(k, block, self.kind.name)
+        _check_2d(self.data, "data", torch.uint8, data_shape)
 
     @property
     def device(self) -> torch.device:
@@ -134,8 +134,19 @@ class GgufWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def to(self, device: torch.device | str) -> GgufWeight:
-        return GgufWeight(self.kind, self.data.to(device), self.shape)
+    def to(self, device: torch.device | str) -> Self:
+        return type(self)(self.kind, self.data.to(device), self.shape)
+
+
+@dataclass(frozen=True)
+class GgufWeight(_Blocks):
+    """GGUF blocks ``uint8 [n, kind.row_bytes(k)]`` of a weight of ``shape`` ``(n, k)``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, GgufKind):
+            raise ValueError(f"kind must be a GgufKind, got {self.kind!r}")
+        n, k = self.shape
+        self._check(self.kind.block_size, (n, self.kind.row_bytes(k)))
 
 
 @dataclass(frozen=True)
@@ -187,38 +198,19 @@ INTERLEAVE = 16  # output features a group
 
 
 @dataclass(frozen=True)
-class InterleavedWeight:
+class InterleavedWeight(_Blocks):
     """A GgufWeight of ``shape`` ``(n, k)`` in groups of 16 output features (the last one
     padded with zero features): ``uint8 [ceil(n / 16), k / 32 * 16 * block_bytes]``. Group
     ``g``'s 32-column block ``b`` holds the 16 features' fp16 scales ``d`` (then Q4_1's
     ``m``), then their integers by column pair ``p``: Q4_* one byte a feature (column
     ``2 p`` low nibble, ``2 p + 1`` high), Q8_0 two (``2 p``, ``2 p + 1``)."""
 
-    kind: GgufKind
-    data: torch.Tensor
-    shape: tuple[int, int]
-
     def __post_init__(self) -> None:
         if self.kind not in INTERLEAVED_KINDS:
             kinds = [k.name for k in INTERLEAVED_KINDS]
             raise ValueError(f"only {kinds} interleave, got {self.kind!r}")
         n, k = self.shape
-        if n <= 0:
-            raise ValueError(f"a weight needs at least one output feature, got n = {n}")
-        _check_k(k, 32, self.kind.name)
-        groups = -(-n // INTERLEAVE)
-        _check_2d(self.data, "data", torch.uint8, (groups, INTERLEAVE * self.kind.row_bytes(k)))
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
-
-    def to(self, device: torch.device | str) -> InterleavedWeight:
-        return InterleavedWeight(self.kind, self.data.to(device), self.shape)
+        self._check(32, (-(-n // INTERLEAVE), INTERLEAVE * self.kind.row_bytes(k)))
 
 
 QuantizedWeight = Int8Weight | GgufWeight | InterleavedWeight | Int4Weight
