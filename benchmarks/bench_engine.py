@@ -9,6 +9,12 @@ batching); HF runs padded static batches of ``concurrency``. Prints a table with
     python benchmarks/bench_engine.py                 # concurrency 1 8 32 64
     python benchmarks/bench_engine.py --model gemma3-270m
     python benchmarks/bench_engine.py --concurrency 32 --requests 64
+    python benchmarks/bench_engine.py --concurrency 32 --quantization gguf --hf-gguf
+
+``--quantization int8|gguf`` serves hotpool's linears quantized (gguf: the GGUF's own blocks,
+from a snapshot that keeps them; bench_quant.py has the per-format table), and
+``--hf-gguf`` has HF load the catalog model's GGUF file itself, as ``from_pretrained(...,
+gguf_file=)`` does by default (its dtype included): the peer a user of that file gets.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf_snapshots import blocks_snapshot, gguf_file
 
 from hotpool.worker.engine.base import EngineRequest
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
@@ -67,8 +74,9 @@ def bench_hotpool(
     concurrency: int,
     budget: int,
     native: bool = True,
+    quantization: str = "none",
 ) -> Result:
-    model = load_model(model_dir, torch.device("cpu"), dtype)
+    model = load_model(model_dir, torch.device("cpu"), dtype, quantization=quantization)
     model.native_ops = native
     config = EngineConfig(max_num_seqs=concurrency, max_num_batched_tokens=budget)
     engine = LLMEngine(model, torch.device("cpu"), config)
@@ -99,11 +107,19 @@ def bench_hotpool(
 
 
 def bench_hf(
-    model_dir: Path, dtype: torch.dtype, reqs: list[list[int]], concurrency: int
+    model_dir: Path,
+    dtype: torch.dtype,
+    reqs: list[list[int]],
+    concurrency: int,
+    gguf: Path | None = None,
 ) -> Result:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    auto = transformers.AutoModelForCausalLM
+    if gguf is not None:  # the file, loaded as HF loads it by default
+        model = auto.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
+    else:
+        model = auto.from_pretrained(model_dir, dtype=dtype).eval()
     sampling = {"do_sample": True, "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": 0}
     ttfts, tpots = [], []
     t0 = time.perf_counter()
@@ -167,6 +183,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quantization", choices=["none", "int8", "gguf"], default="none")
+    ap.add_argument("--hf-gguf", action="store_true", help="HF loads the GGUF file itself")
     ap.add_argument(
         "--torch-ops", action="store_true", help="torch ops instead of the fused C kernels"
     )
@@ -177,10 +195,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     model_dir = snapshot(args.dtype, args.model)
+    served = model_dir
+    if args.quantization == "gguf":  # the same weights with the GGUF's blocks kept
+        served = blocks_snapshot(gguf_file(args.model), args.model)
+    gguf = gguf_file(args.model) if args.hf_gguf else None
     config = json.loads((model_dir / "config.json").read_text())
     gb, gbps, bound = bandwidth_limit(model_dir, dtype)
     head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
     ops = "torch" if args.torch_ops else ops_for(torch.device("cpu"), dtype, head_dim).name
+    if args.quantization != "none" or gguf is not None:
+        peer = f"{gguf.name} (its default dtype)" if gguf else f"the {args.dtype} snapshot"
+        print(f"hotpool quantization {args.quantization}; HF loads {peer}")
     print(f"{args.model} {args.dtype}, {args.threads} threads, {ops} ops; weights {gb:.3f} GB, "
           f"copy {gbps:.1f} GB/s -> single-stream bound {bound:.1f} tok/s", flush=True)  # fmt: skip
     header = f"{'conc':>4} {'reqs':>4} | {'hotpool tok/s':>13} {'TTFT s':>7} {'TPOT ms':>8} | "
@@ -193,14 +218,15 @@ def main() -> None:
         n = min(args.requests, max(args.min_requests, 2 * c))
         reqs = prompts(n, int(config["vocab_size"]))
         ours = bench_hotpool(
-            model_dir, dtype, reqs, c, args.max_num_batched_tokens, not args.torch_ops
-        )
+            served, dtype, reqs, c, args.max_num_batched_tokens, not args.torch_ops,
+            args.quantization,
+        )  # fmt: skip
         line = f"{c:>4} {n:>4} | {ours.tokens_per_s:>13.1f} {ours.ttft_s:>7.2f} "
         line += f"{ours.tpot_s * 1e3:>8.1f} | "
         if args.skip_hf:
             print(line, flush=True)
             continue
-        hf = bench_hf(model_dir, dtype, reqs, c)
+        hf = bench_hf(model_dir, dtype, reqs, c, gguf)
         ratio = ours.tokens_per_s / hf.tokens_per_s
         print(
             line

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import torch
 from bench_engine import Result, prompts
+from gguf_snapshots import blocks_snapshot, gguf_file
 
 from hotpool.worker.engine.base import EngineRequest
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
@@ -49,41 +49,12 @@ from hotpool.worker.models.llama import LlamaModel
 from hotpool.worker.models.loader import load_model
 from hotpool.worker.protocol import SamplingParams
 from hotpool.worker.service import default_dtype
-from hotpool.worker.snapshot.gguf import convert_gguf
-from hotpool.worker.snapshot.model_catalog import catalog, catalog_model
-from hotpool.worker.snapshot.pull import model_gguf
+from hotpool.worker.snapshot.model_catalog import catalog
 
 REPO = Path(__file__).resolve().parent.parent
 PEER_PYTHON = REPO / ".cache" / "peers" / "llama-cpp-venv" / "bin" / "python"
 PEER_SCRIPT = REPO / "benchmarks" / "peers" / "llama_cpp_decode.py"
 OUTPUT_TOKENS = 64
-
-
-def gguf_file(model: str) -> Path:
-    """The catalog model's GGUF: the bench's download folder, else the tests' copy, else
-    downloaded into the bench's folder."""
-    entry = catalog_model(model)
-    bench = REPO / ".cache" / "bench" / "downloads"
-    test = REPO / ".cache" / "test" / model
-    folder = test if not (bench / entry.gguf_path).is_file() and (
-        test / entry.gguf_path
-    ).is_file() else bench  # fmt: skip
-    return model_gguf(entry, folder)
-
-
-def snapshot(gguf: Path, model: str) -> Path:
-    """fp32 snapshot of ``gguf`` with its blocks kept (converted once, then reused)."""
-    out = REPO / ".cache" / "bench" / "objects" / "snapshots" / f"{model}-fp32-blocks"
-    if (out / "config.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=out.parent))
-    try:
-        convert_gguf(gguf, tmp, "fp32", chat=None, keep_blocks=True)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def weight_bytes(model: LlamaModel) -> int:
@@ -212,7 +183,7 @@ def main() -> None:
     quant_dtype = QUANT_DTYPES[args.quant_dtype] or default_dtype(torch.device("cpu"))
     torch.set_num_threads(args.threads)
     gguf = gguf_file(args.model)
-    model_dir = snapshot(gguf, args.model)
+    model_dir = blocks_snapshot(gguf, args.model)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     n_max = max(requests_at(c, args.requests, args.min_requests) for c in args.concurrency)
     reqs = prompts(n_max, vocab)

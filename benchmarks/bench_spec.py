@@ -219,7 +219,7 @@ def snapshot(dtype: str) -> Path:
     """The catalog model's snapshot in ``dtype`` (dense weights), where ``bench_engine.py``
     puts it: converted from the GGUF once (the tests' copy of the GGUF if present, else
     the bench's download), then reused."""
-    from bench_quant import gguf_file  # benchmarks/ is on sys.path when run as a script
+    from gguf_snapshots import gguf_file  # benchmarks/ is on sys.path when run as a script
 
     out = REPO / ".cache" / "bench" / "objects" / "snapshots" / f"{MODEL}-{dtype}"
     if not (out / "manifest.json").is_file():  # the manifest is written last
