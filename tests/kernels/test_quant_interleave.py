@@ -6,6 +6,9 @@ bad input is a clear ValueError."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from quant_cases import assert_matches_reference, make_weight
@@ -73,8 +76,12 @@ def test_for_device_interleaves_where_the_kernels_read_it_faster() -> None:
     layer = QuantizedLinear(placed)
     x = torch.randn(3, 64, generator=gen)
     assert_matches_reference(layer(x), x, qw)
-    # .to() keeps the layout; the module's repr names it
+    # .to() keeps the layout; copies and pickles bind a kernel of their own (the bound
+    # one holds raw pointers to this layer's tensors)
     assert type(layer.to("cpu").weight) is type(placed)
+    twin = copy.deepcopy(layer)
+    assert torch.equal(twin(x), layer(x)) and twin._bound is not layer._bound
+    assert torch.equal(pickle.loads(pickle.dumps(layer))(x), layer(x))
     if isinstance(placed, InterleavedWeight):
         assert "Q4_1 interleaved" in repr(layer)
     # Q4_K and int8 per feature stay as they are
