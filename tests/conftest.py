@@ -71,8 +71,11 @@ def _converted(
     if (folder / MANIFEST_NAME).is_file():
         return folder
     parent.mkdir(parents=True, exist_ok=True)
+    # Older versions of this very snapshot only: "smollm2-fp32-*" alone would also match
+    # (and delete, under a session that already holds it) "smollm2-fp32-blocks-<version>".
     for stale in parent.glob(f"{model}-{kind}-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+        if stale.name.rpartition("-")[0] == f"{model}-{kind}":
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = parent / f".tmp-{folder.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     gguf_convert.convert_gguf(gguf_path, tmp, dtype, catalog_model(model).chat, keep_blocks)
