@@ -33,6 +33,8 @@ from hotpool.kernels.quant_weight import (
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("quant_ops.c")
+# The files quant_ops.c includes (its AVX-512 parts): a change to any rebuilds the library.
+INCLUDED = ("quant_avx512.c", "quant_amx.c", "quant_interleaved.c", "quant_panels.c")
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 # quant_ops.c's format codes
 _CODES = {GgufKind.Q8_0: 1, GgufKind.Q4_0: 2, GgufKind.Q4_1: 3, GgufKind.Q4_K: 4}
@@ -54,7 +56,8 @@ def build(
     compiler = os.environ.get("CC", "cc")
     flags = (f"-march={march}", *extra, *FLAGS)
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags), compiler, _cpu_fingerprint()):
+    sources = [SOURCE.read_bytes(), *(SOURCE.with_name(n).read_bytes() for n in INCLUDED)]
+    for part in (*sources, " ".join(flags), compiler, _cpu_fingerprint()):
         digest.update(part if isinstance(part, bytes) else part.encode())
         digest.update(b"\0")
     directory = directory or cache_dir()
