@@ -129,7 +129,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.weight = weight
         self._bound: (
-            tuple[tuple[int, int], Callable[[torch.Tensor], torch.Tensor] | None] | None
+            tuple[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor] | None] | None
         ) = None
 
     def _apply(self, fn, recurse=True):  # nn.Module's (untyped) signature
@@ -178,8 +178,8 @@ class QuantizedLinear(nn.Module):
 
     def _bound_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The C kernel bound to this layer's weight, rebound when its tensors moved."""
-        bias = self._buffers.get("bias")
-        key = (self.qweight.data_ptr(), 0 if bias is None else bias.data_ptr())
+        bias, scale = self._buffers.get("bias"), self._buffers.get("qscale")
+        key = tuple(0 if t is None else t.data_ptr() for t in (self.qweight, scale, bias))
         if self._bound is None or self._bound[0] != key:
             ops = quant_ops.load()
             usable = ops is not None and ops.supports(self.weight)
