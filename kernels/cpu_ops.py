@@ -77,7 +77,8 @@ def build(directory: Path | None = None, march: str = "native") -> Path:
     the library's path. Raises RuntimeError with the compiler's message when it fails."""
     compiler = os.environ.get("CC", "cc")
     flags = (f"-march={march}", *FLAGS)  # another -march: tests build the portable paths
-    parts = [SOURCE.read_bytes(), " ".join(flags), compiler, _cpu_fingerprint()]
+    header = SOURCE.with_name("amx_tiles.h").read_bytes()  # the one file cpu_ops.c includes
+    parts = [SOURCE.read_bytes(), header, " ".join(flags), compiler, _cpu_fingerprint()]
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part if isinstance(part, bytes) else part.encode())

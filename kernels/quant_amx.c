@@ -4,34 +4,8 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HQ_AMX 1
+#include "amx_tiles.h"
 #define AMX_F 32 /* features per AMX panel: two A tiles of 16 */
-
-/* Linux hands out AMX's tile state only on request (once per process). */
-static int amx_ready(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                   18 /* XFEATURE_XTILEDATA */) == 0;
-    return state;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Tiles: 0-3 results (feature group f x row group g: 2 f + g), 4-5 weights (16 features
- * x 32 columns), 6-7 activations (16 column pairs x 16 rows x 2, VNNI). All 16 x 64 B. */
-static void amx_configure(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 /* A thread's buffer of the AMX paths, tiles configured; NULL (and *failed set) when the
  * memory is not there. The thread gives both back with _tile_release() and free(). */

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("quant_ops.c")
 # The files quant_ops.c includes (its AVX-512 parts): a change to any rebuilds the library.
-INCLUDED = ("quant_avx512.c", "quant_amx.c", "quant_interleaved.c", "quant_panels.c")
+INCLUDED = ("quant_avx512.c", "quant_amx.c", "amx_tiles.h", "quant_interleaved.c", "quant_panels.c")
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 # quant_ops.c's format codes
 _CODES = {GgufKind.Q8_0: 1, GgufKind.Q4_0: 2, GgufKind.Q4_1: 3, GgufKind.Q4_K: 4}
