@@ -36,6 +36,23 @@
 #define PREFETCH512 2048 /* bytes ahead in the weight stream */
 #define PANEL512 48 /* features per panel of the vdpbf16ps path: three vectors of 16 */
 
+/* Block b's 32 int8 of an int8 or Q8_0 row (int8 columns past k read as 0, copied into
+ * tail) and its scale *D (int8: 1, the caller's scale is applied later). */
+static inline __attribute__((always_inline)) const uint8_t *q8_block(const int FMT,
+                                                                     const uint8_t *row,
+                                                                     int64_t b, int64_t k,
+                                                                     uint8_t tail[32], float *D) {
+    if (FMT == HQ_Q8_0) {
+        *D = h2f(row + 34 * b);
+        return row + 34 * b + 2;
+    }
+    *D = 1.0f;
+    if (32 * b + 32 <= k) return row + 32 * b;
+    memset(tail, 0, 32);
+    memcpy(tail, row + 32 * b, (size_t)(k - 32 * b));
+    return tail;
+}
+
 /* Block b's integers as 32 float32 (q[0]: columns 32 b .. 32 b + 15, q[1]: the rest), its
  * scale and offset. FMT is a constant where this is inlined. int8 columns past k read 0. */
 static inline __attribute__((always_inline)) void qblock_ps(const int FMT, const uint8_t *row,
@@ -47,20 +64,8 @@ static inline __attribute__((always_inline)) void qblock_ps(const int FMT, const
     switch (FMT) {
     case HQ_INT8:
     case HQ_Q8_0: {
-        const uint8_t *p;
         uint8_t tail[32];
-        if (FMT == HQ_Q8_0) {
-            p = row + 34 * b + 2;
-            *D = h2f(row + 34 * b);
-        } else {
-            p = row + 32 * b;
-            *D = 1.0f;
-            if (32 * b + 32 > k) {
-                memset(tail, 0, sizeof tail);
-                memcpy(tail, p, (size_t)(k - 32 * b));
-                p = tail;
-            }
-        }
+        const uint8_t *p = q8_block(FMT, row, b, k, tail, D);
         *MB = 0.0f;
         q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
         q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
@@ -123,20 +128,8 @@ static inline __attribute__((always_inline)) __m512i qblock_epi16(const int FMT,
     switch (FMT) {
     case HQ_INT8:
     case HQ_Q8_0: {
-        const uint8_t *p;
         uint8_t tail[32];
-        if (FMT == HQ_Q8_0) {
-            p = row + 34 * b + 2;
-            *D = h2f(row + 34 * b);
-        } else {
-            p = row + 32 * b;
-            *D = 1.0f;
-            if (32 * b + 32 > k) {
-                memset(tail, 0, sizeof tail);
-                memcpy(tail, p, (size_t)(k - 32 * b));
-                p = tail;
-            }
-        }
+        const uint8_t *p = q8_block(FMT, row, b, k, tail, D);
         *MB = 0.0f;
         return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
     }
