@@ -80,6 +80,7 @@ def bench_hotpool(
     model.native_ops = native
     config = EngineConfig(max_num_seqs=concurrency, max_num_batched_tokens=budget)
     engine = LLMEngine(model, torch.device("cpu"), config)
+    engine.capture_decode_graphs()  # as the worker's cold start does (CPU: kernel programs)
     # A replica past its first second or two: the KV cache's pages are in (kv_memory.py).
     engine.kv_cache.populated.wait()
     params = SamplingParams(

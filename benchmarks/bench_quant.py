@@ -102,6 +102,7 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
 def run_engine(model: LlamaModel, reqs: list[list[int]], concurrency: int) -> Result:
     config = EngineConfig(max_num_seqs=concurrency)
     engine = LLMEngine(model, torch.device("cpu"), config)
+    engine.capture_decode_graphs()  # as the worker's cold start does (CPU: kernel programs)
     engine.kv_cache.populated.wait()  # a replica past its first second or two
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     pending = list(enumerate(reqs))
@@ -180,7 +181,7 @@ def main() -> None:
     ap.add_argument("--quant-dtype", choices=list(QUANT_DTYPES), default="auto",
                     help="int8 / gguf activations (auto: a deployment's default here)")  # fmt: skip
     args = ap.parse_args()
-    quant_dtype = QUANT_DTYPES[args.quant_dtype] or default_dtype(torch.device("cpu"))
+    quant_dtype = QUANT_DTYPES[args.quant_dtype] or default_dtype(torch.device("cpu"), "int8")
     torch.set_num_threads(args.threads)
     gguf = gguf_file(args.model)
     model_dir = blocks_snapshot(gguf, args.model)

@@ -265,6 +265,7 @@ def make_engine(
         torch.device("cpu"),
         EngineConfig(max_num_seqs=concurrency, kv_cache_bytes=kv, speculative=spec),
     )
+    engine.capture_decode_graphs()  # as the worker's cold start does (CPU: kernel programs)
     engine.kv_cache.populated.wait()  # a replica past its first second or two
     # Warm-up: a short grounded request (it speculates, too) runs every path once.
     warm = tuple(list(range(100, 140)) * 2)

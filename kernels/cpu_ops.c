@@ -100,6 +100,35 @@ void hp_silu_mul(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t inter) {
     }
 }
 
+/* out[t] = table[ids[t]] (rows of `width` bf16): the embedding lookup. Returns how many ids
+ * fall outside [0, vocab) (their rows are zeroed), 0 when all are valid. */
+int64_t hp_embed(const bf16 *table, int64_t vocab, int64_t width, const int64_t *ids,
+                 int64_t rows, bf16 *out) {
+    int64_t bad = 0;
+    for (int64_t t = 0; t < rows; ++t) {
+        const int64_t id = ids[t];
+        if (id < 0 || id >= vocab) {
+            memset(out + t * width, 0, (size_t)width * sizeof(bf16));
+            ++bad;
+            continue;
+        }
+        memcpy(out + t * width, table + id * width, (size_t)width * sizeof(bf16));
+    }
+    return bad;
+}
+
+/* x[i] = bf16(x[i] + y[i]) over n elements: torch's bfloat16 add_ (float32 sum, one rounding). */
+void hp_add(bf16 *x, const bf16 *y, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) x[i] = f2bf(bf2f(x[i]) + bf2f(y[i]));
+}
+
+/* out[i] = (float)x[i] over n elements: exact, bfloat16 is the top half of a float32. */
+void hp_widen(const bf16 *x, float *out, int64_t n) {
+#pragma omp parallel for simd schedule(static) if (n >= 262144)
+    for (int64_t i = 0; i < n; ++i) out[i] = bf2f(x[i]);
+}
+
 /*
  * RoPE in place on the first `heads` heads of each row of x ([rows, row_stride] bf16, head
  * h of row t at x + t * row_stride + h * dim), HF's half rotation with bf16 tables:
@@ -1220,3 +1249,5 @@ int64_t hp_sample(const float *x, int64_t rows, int64_t v, const float *temperat
     }
     return left;
 }
+
+#include "cpu_program.c"

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 MAX_HEAD_DIM = 1024  # hp_rope's stack buffers
+INCLUDED = ("amx_tiles.h", "cpu_program.c")  # the files cpu_ops.c includes
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -41,6 +42,10 @@ _F = ctypes.c_float
 _SIGNATURES: dict[str, tuple[type, ...]] = {
     "hp_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
     "hp_silu_mul": (_P, _P, _I, _I),
+    "hp_embed": (_P, _I, _I, _P, _I, _P),
+    "hp_add": (_P, _P, _I),
+    "hp_widen": (_P, _P, _I),
+    "hp_run_program": (_P, _I, _P),
     "hp_rope": (_P, _I, _I, _I, _I, _P, _P, _P),
     "hp_write_kv": (_P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I),
     "hp_paged_decode": (_P, _I, _P, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F),
@@ -77,8 +82,8 @@ def build(directory: Path | None = None, march: str = "native") -> Path:
     the library's path. Raises RuntimeError with the compiler's message when it fails."""
     compiler = os.environ.get("CC", "cc")
     flags = (f"-march={march}", *FLAGS)  # another -march: tests build the portable paths
-    header = SOURCE.with_name("amx_tiles.h").read_bytes()  # the one file cpu_ops.c includes
-    parts = [SOURCE.read_bytes(), header, " ".join(flags), compiler, _cpu_fingerprint()]
+    included = [SOURCE.with_name(name).read_bytes() for name in INCLUDED]
+    parts = [SOURCE.read_bytes(), *included, " ".join(flags), compiler, _cpu_fingerprint()]
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part if isinstance(part, bytes) else part.encode())
@@ -121,6 +126,10 @@ class CpuOps:
             fn.argtypes = args
             fn.restype = None  # hp_sample's is set below
         lib.hp_sample.restype = ctypes.c_int64
+        lib.hp_embed.restype = ctypes.c_int64
+        lib.hp_run_program.restype = ctypes.c_int64
+        lib.hp_op_size.argtypes = ()
+        lib.hp_op_size.restype = ctypes.c_int64
         lib.hp_avx512_bf16.argtypes = ()
         lib.hp_avx512_bf16.restype = ctypes.c_int
         self._lib = lib
@@ -161,6 +170,35 @@ class CpuOps:
             raise ValueError(f"gate_up has an odd width {width}")
         out = gate_up.new_empty(rows, width // 2)
         self._lib.hp_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+    def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``table[ids]``: rows of the bfloat16 embedding ``table`` ``[V, H]`` for the int64
+        ``ids`` ``[T]``; IndexError (as torch's) for an id outside ``[0, V)``."""
+        _bf16(table, "table", 2)
+        rows = ids.shape[0] if ids.dim() == 1 else -1
+        _index(ids, "ids", rows)
+        vocab, width = table.shape
+        out = table.new_empty(rows, width)
+        bad = self._lib.hp_embed(
+            table.data_ptr(), vocab, width, ids.data_ptr(), rows, out.data_ptr()
+        )
+        if bad:
+            raise IndexError(f"{bad} token id(s) outside the vocabulary [0, {vocab})")
+        return out
+
+    def add_(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """``x += y`` in place, rounded as torch's bfloat16 ``add_`` (both contiguous)."""
+        _bf16(x, "x", x.dim())
+        _bf16(y, "y", x.dim())
+        _same(x, y, "x", "y")
+        self._lib.hp_add(x.data_ptr(), y.data_ptr(), x.numel())
+
+    def widen(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.float()`` for a contiguous bfloat16 ``x`` (exact)."""
+        _bf16(x, "x", x.dim())
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self._lib.hp_widen(x.data_ptr(), out.data_ptr(), x.numel())
         return out
 
     def rope_(

@@ -472,6 +472,10 @@ static int linear_tiled(int fmt, const float *x, int64_t ldx, int64_t m, int64_t
     return failed ? -1 : 0;
 }
 
+#if defined(HQ_AVX2) && !defined(HQ_AVX512)
+#include "quant_avx2.c"
+#endif
+
 #ifdef HQ_AVX512
 #include "quant_avx512.c"
 #include "quant_amx.c"
@@ -498,6 +502,10 @@ int hq_linear(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m, int64_
     return linear512(fmt, x, ldx, x_bf16, m, k, w, n, rb, scale, bias, y, y_bf16) ? -2 : 0;
 #else
     if (fmt >= HQ_IQ8_0) return -1; /* interleaved weights are made for AVX-512 builds only */
+#endif
+#if defined(HQ_AVX2) && !defined(HQ_AVX512)
+    if (m <= DIRECT_AVX2)
+        return direct_avx2(fmt, x, ldx, x_bf16, m, k, w, n, rb, scale, bias, y, y_bf16) ? -2 : 0;
 #endif
     const float *xf = x;
     float *widened = NULL;

@@ -34,7 +34,14 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("quant_ops.c")
 # The files quant_ops.c includes (its AVX-512 parts): a change to any rebuilds the library.
-INCLUDED = ("quant_avx512.c", "quant_amx.c", "amx_tiles.h", "quant_interleaved.c", "quant_panels.c")
+INCLUDED = (
+    "quant_avx2.c",
+    "quant_avx512.c",
+    "quant_amx.c",
+    "amx_tiles.h",
+    "quant_interleaved.c",
+    "quant_panels.c",
+)
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 # quant_ops.c's format codes
 _CODES = {GgufKind.Q8_0: 1, GgufKind.Q4_0: 2, GgufKind.Q4_1: 3, GgufKind.Q4_K: 4}
@@ -156,13 +163,14 @@ class QuantOps:
         else:
             raise ValueError(f"the C kernels take int8 and GGUF weights, not {type(qw).__name__}")
         b = None if bias is None else bias.data_ptr()
-        fn, name = self._lib.hq_linear, type(qw).__name__
+        name = type(qw).__name__
 
         def call(x: torch.Tensor) -> torch.Tensor:
             m = x.shape[0]
             y = torch.empty((m, n), dtype=x.dtype)
             bf16 = 1 if x.dtype is torch.bfloat16 else 0
-            rc = fn(
+            # The library is looked up per call: a kernel program's recorder swaps it.
+            rc = self._lib.hq_linear(
                 code, x.data_ptr(), x.stride(0), bf16, m, k, data, n, scale, b, y.data_ptr(), bf16
             )
             if rc == -2:

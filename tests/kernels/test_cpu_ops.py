@@ -68,6 +68,28 @@ def test_rms_norm_without_an_add_leaves_the_residual(ops: cpu_ops.CpuOps) -> Non
     torch.testing.assert_close(out.float(), ref, rtol=2 * BF16_STEP, atol=1e-6)
 
 
+def test_embed_add_and_widen_are_torch_bit_for_bit(ops: cpu_ops.CpuOps) -> None:
+    """The three steps of a forward that were torch ops (the embedding lookup, the last
+    residual add, the logits' widening) as kernels, so a kernel program can replay them."""
+    gen = torch.Generator().manual_seed(4)
+    table = _bf16(50, 24, gen=gen)
+    ids = torch.tensor([3, 0, 49, 3], dtype=torch.long)
+    assert torch.equal(ops.embed(table, ids), F.embedding(ids, table))
+    with pytest.raises(IndexError, match=r"1 token id\(s\) outside the vocabulary \[0, 50\)"):
+        ops.embed(table, torch.tensor([2, 50]))
+    with pytest.raises(IndexError, match="outside"):
+        ops.embed(table, torch.tensor([-1]))
+    x, y = _bf16(5, 24, gen=gen, scale=100.0), _bf16(5, 24, gen=gen)
+    expect = x.clone().add_(y)
+    ops.add_(x, y)
+    assert torch.equal(x, expect)
+    with pytest.raises(ValueError, match="differ"):
+        ops.add_(x, y[:4])
+    assert torch.equal(ops.widen(x), x.float())
+    with pytest.raises(ValueError, match="bfloat16"):
+        ops.widen(x.float())
+
+
 @pytest.mark.parametrize("rows", [1, 7, 40])
 def test_silu_mul_is_hf_llama_mlp_activation(ops: cpu_ops.CpuOps, rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)

@@ -108,6 +108,26 @@ def test_rows_may_be_strided(ops: quant_ops.QuantOps, m: int) -> None:
         assert_matches_reference(quant_linear(x, qw), x, qw)
 
 
+@pytest.mark.parametrize("fmt", CPU_FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_a_non_finite_activation_spoils_only_its_own_row(
+    ops: quant_ops.QuantOps, fmt: str, m: int
+) -> None:
+    """NaN or inf in a row (a diverged model) gives that row no finite output, never a
+    made-up number; the other rows are unaffected."""
+    gen = torch.Generator().manual_seed(m)
+    k = 2 * block_k(fmt)
+    qw = make_weight(fmt, 7, k, gen)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.randn(m, k, generator=gen)
+        x[m // 2, k // 3] = bad
+        y = ops.linear(x, qw, None)
+        assert not torch.isfinite(y[m // 2]).any()
+        rest = [i for i in range(m) if i != m // 2]
+        if rest:
+            assert_matches_reference(y[rest], x[rest], qw)
+
+
 def test_the_identity_reads_back_gguf_s_dequantized_weights(ops: quant_ops.QuantOps) -> None:
     """x = I makes y = deq(W).T: the kernel's dequantization of each format against gguf's,
     to float32 rounding (one fused multiply-add where gguf rounds twice)."""

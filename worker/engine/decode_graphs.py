@@ -23,16 +23,29 @@ so does this module.
 - **Memory.** Graphs share one memory pool, captured largest first so the smaller ones
   reuse its blocks; each holds its logits output (``b x vocab`` fp32).
 
-Without a GPU the same runner works with ``capture=False``: every "replay" runs the forward
-over the static buffers eagerly. Tests use it to hold padding, buffer reuse and the choice
-of size to the eager path's output; the CUDA capture itself runs in the GPU script.
+On the CPU the same runner records **kernel programs** instead (``programs=True``,
+:mod:`hotpool.kernels.cpu_program`): the first step at a batch size runs the forward while
+recording its C kernel calls, and later steps at that size replay them from C in one call,
+without the Python around each kernel (half of a small model's single-stream step). It
+needs a forward made wholly of the native kernels (bf16 with hotpool's C ops; linears
+packed or quantized); anything else is found out by the first recording, which is logged,
+and the engine then runs every step eagerly. CPU batches are padded less (a padding row
+costs compute there): ``CPU_LADDER``, up to 32 rows; larger batches run eagerly, where the
+Python is a small share of the step. Each size's program keeps its activations and logits
+alive (about 0.5 MB a row for SmolLM2-135M), recorded only when a batch of that size runs.
 
-``HOTPOOL_CUDA_GRAPHS=0`` turns graphs off (the engine then runs every step eagerly).
+With ``capture=False`` and no program, every "replay" runs the forward over the static
+buffers eagerly. Tests use it to hold padding, buffer reuse and the choice of size to the
+eager path's output; the CUDA capture itself runs in the GPU script.
+
+``HOTPOOL_CUDA_GRAPHS=0`` turns CUDA graphs off, ``HOTPOOL_CPU_PROGRAMS=0`` kernel programs
+(the engine then runs every step eagerly).
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -40,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hotpool.kernels import cpu_program
 from hotpool.kernels.paged_attention import decode_key_bias
 from hotpool.worker.models.attention import (
     AttentionKernels,
@@ -49,10 +63,16 @@ from hotpool.worker.models.attention import (
 )
 from hotpool.worker.models.llama import LlamaModel
 
+log = logging.getLogger(__name__)
+
 GRAPHS_ENV = "HOTPOOL_CUDA_GRAPHS"
+PROGRAMS_ENV = "HOTPOOL_CPU_PROGRAMS"
 # Batch sizes captured: at most 1.5x padding between neighbours, few enough graphs that
 # capture stays within the cold start's warm-up (each is one forward pass).
 LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# Kernel programs' sizes on the CPU: a padding row costs its share of compute there, so
+# steps of at most 1.5x (at most one row up to 4).
+CPU_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 def graph_batch_sizes(max_num_seqs: int, ladder: Sequence[int] = LADDER) -> tuple[int, ...]:
@@ -65,6 +85,12 @@ def graph_batch_sizes(max_num_seqs: int, ladder: Sequence[int] = LADDER) -> tupl
     return tuple(ladder[: i + 1])
 
 
+def cpu_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Kernel programs' sizes: :data:`CPU_LADDER` up to ``max_num_seqs`` (larger batches
+    run eagerly)."""
+    return graph_batch_sizes(max_num_seqs, CPU_LADDER)
+
+
 def padded_size(n: int, sizes: Sequence[int]) -> int | None:
     """The smallest captured size that holds ``n`` rows; None when none does."""
     i = bisect.bisect_left(sizes, n)
@@ -74,12 +100,25 @@ def padded_size(n: int, sizes: Sequence[int]) -> int | None:
 def graphs_wanted(
     device: torch.device, model: LlamaModel, env: Mapping[str, str] | None = None
 ) -> bool:
-    """Whether decode steps should replay CUDA graphs: on CUDA, for dense models, unless
-    ``HOTPOOL_CUDA_GRAPHS=0``."""
+    """Whether decode steps should replay graphs: CUDA graphs on CUDA, unless
+    ``HOTPOOL_CUDA_GRAPHS=0``; kernel programs on the CPU for bf16 models on the native
+    kernels, unless ``HOTPOOL_CPU_PROGRAMS=0``. Dense models only."""
     env = os.environ if env is None else env
-    if env.get(GRAPHS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if model.config.moe is not None:
         return False
-    return device.type == "cuda" and model.config.moe is None
+    if device.type == "cuda":
+        return not _off(env.get(GRAPHS_ENV, "1"))
+    return (
+        device.type == "cpu"
+        and not _off(env.get(PROGRAMS_ENV, "1"))
+        and model.native_ops
+        and model.embed.weight.dtype == torch.bfloat16
+        and cpu_program.supported()
+    )
+
+
+def _off(value: str) -> bool:
+    return value.strip().lower() in ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -95,7 +134,9 @@ class DecodeRow:
 
 class DecodeGraphs:
     """Static-buffer decode forwards, one per batch size, captured as CUDA graphs when
-    ``capture`` (see the module)."""
+    ``capture``, recorded as kernel programs when ``programs`` (see the module). Where a
+    program cannot be recorded, steps replay eagerly over the buffers if
+    ``eager_replays``, else the runner stops taking steps (:meth:`fits`)."""
 
     def __init__(
         self,
@@ -108,6 +149,8 @@ class DecodeGraphs:
         scratch_block: int,
         sizes: Sequence[int],
         capture: bool,
+        programs: bool = False,
+        eager_replays: bool = True,
     ) -> None:
         if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"sizes must be ascending positive batch sizes, got {list(sizes)}")
@@ -120,6 +163,11 @@ class DecodeGraphs:
         self.num_groups = num_groups
         self.sizes = tuple(sizes)
         self.capture_graphs = capture
+        self.programs = programs and not capture
+        self.eager_replays = eager_replays
+        # Why no program could be recorded (logged once); None while they can be.
+        self.program_failure: str | None = None
+        self._programs: dict[int, cpu_program.KernelProgram] = {}
         self.scratch_block = scratch_block
         bs = kv.block_size
         self.max_blocks = -(-max_model_len // bs)
@@ -136,12 +184,17 @@ class DecodeGraphs:
 
     def fits(self, n: int, width: int) -> bool:
         """Whether ``n`` decodes whose longest block table has ``width`` blocks run here."""
+        if self.program_failure is not None and not self.eager_replays:
+            return False
         return 1 <= n <= self.sizes[-1] and width <= self.max_blocks
 
     @torch.inference_mode()
     def capture(self) -> float:
         """Capture every size (largest first, in one memory pool); the seconds it took. With
-        ``capture=False`` it only runs each size once (what a capture would compile)."""
+        ``capture=False`` it only runs each size once (what a capture would compile); kernel
+        programs are recorded later, by each size's first step."""
+        if self.programs:
+            return 0.0
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
         for b in reversed(self.sizes):
@@ -177,11 +230,30 @@ class DecodeGraphs:
             raise ValueError(f"{n} decodes of up to {width} blocks do not fit the graphs")
         self._load(rows, b, width)
         self.replays += 1
+        if self.programs:
+            return self._program_step(b)[:n]
         graph = self._graphs.get(b)
         if graph is None:
             return self._forward(b)[:n]
         graph.replay()
         return self._logits[b][:n]
+
+    def _program_step(self, b: int) -> torch.Tensor:
+        """Size ``b``'s logits from its kernel program, recording it on its first step."""
+        program = self._programs.get(b)
+        if program is not None:
+            program.run()
+            return self._logits[b]
+        with cpu_program.ProgramRecorder() as recorder:
+            logits = self._forward(b)
+        if recorder.failure is None:
+            self._programs[b] = recorder.program()
+            self._logits[b] = logits
+        else:
+            self.programs = False
+            self.program_failure = recorder.failure
+            log.info("decode steps run eagerly: no kernel program (%s)", recorder.failure)
+        return logits
 
     def _load(self, rows: Sequence[DecodeRow], b: int, width: int) -> None:
         g = self.num_groups

@@ -22,7 +22,12 @@ from hotpool.worker.engine.base import (
     RequestOutput,
     RequestRejected,
 )
-from hotpool.worker.engine.decode_graphs import DecodeGraphs, graph_batch_sizes, graphs_wanted
+from hotpool.worker.engine.decode_graphs import (
+    DecodeGraphs,
+    cpu_batch_sizes,
+    graph_batch_sizes,
+    graphs_wanted,
+)
 from hotpool.worker.engine.kv_cache_manager import KVCacheManager
 from hotpool.worker.engine.kv_groups import kv_cache_groups
 from hotpool.worker.engine.model_runner import ModelRunner
@@ -51,9 +56,11 @@ class EngineConfig:
     attention_backend: str | None = None  # "torch", "native" (C, bf16 on the CPU), "triton"
     sampler_backend: str | None = None  # "torch", "triton", "reference"
     speculative: SpeculativeConfig | None = None  # None: one token per request and step
-    # Decode steps replayed as CUDA graphs (``decode_graphs``). None: on CUDA for dense
-    # models unless HOTPOOL_CUDA_GRAPHS=0. True on the CPU runs the same static-buffer
-    # runner without capturing (what tests check it with).
+    # Decode steps replayed as CUDA graphs, or on the CPU as kernel programs
+    # (``decode_graphs``). None: for dense models on CUDA unless HOTPOOL_CUDA_GRAPHS=0, and
+    # on the CPU for bf16 models on the native kernels unless HOTPOOL_CPU_PROGRAMS=0. True on
+    # the CPU records programs where the model allows and else replays the static buffers
+    # eagerly (what tests check the runner with).
     cuda_graphs: bool | None = None
 
 
@@ -105,7 +112,8 @@ class LLMEngine(Engine):
             raise ValueError(
                 f"kv_cache_bytes={config.kv_cache_bytes} is less than one block ({per_block} bytes)"
             )
-        graphs = graphs_wanted(device, model) if config.cuda_graphs is None else config.cuda_graphs
+        auto = config.cuda_graphs is None
+        graphs = graphs_wanted(device, model) if auto else bool(config.cuda_graphs)
         self.kv_cache = PagedKVCache(
             cfg.num_hidden_layers,
             num_blocks + (1 if graphs else 0),  # the graphs' scratch block, past the pool
@@ -137,10 +145,15 @@ class LLMEngine(Engine):
         )
         self.decode_graphs: DecodeGraphs | None = None
         if graphs:
+            # On the CPU: kernel programs. Where the engine chose them itself, a model they
+            # cannot record runs eagerly; asked for, the buffers replay eagerly (tests).
+            cpu = device.type == "cpu"
+            sizes = cpu_batch_sizes if cpu and auto else graph_batch_sizes
             self.decode_graphs = DecodeGraphs(
                 model, self.kv_cache, self.runner.attention, self.runner.layer_group,
                 self.runner.num_groups, self.max_model_len, scratch_block=num_blocks,
-                sizes=graph_batch_sizes(config.max_num_seqs), capture=device.type == "cuda",
+                sizes=sizes(config.max_num_seqs), capture=device.type == "cuda",
+                programs=cpu, eager_replays=not auto,
             )  # fmt: skip
         self.spec = config.speculative
         self.proposer: Proposer | None = None

@@ -164,11 +164,12 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
-        residual = self.embed(input_ids)  # a fresh tensor: the residual stream, updated in place
+        ops = self.ops(self.embed.weight)
+        # A fresh tensor: the residual stream, updated in place.
+        residual = ops.embed(self.embed.weight, input_ids)
         if self.config.embed_scale is not None:
             # As HF: the scale rounded to the embeddings' dtype, then multiplied in it.
             residual.mul_(torch.tensor(self.config.embed_scale, dtype=residual.dtype))
-        ops = self.ops(residual)
         rope = ops.rope_inputs(self.rope, positions, residual.dtype)
         local = rope
         if self.local_rope is not None:
@@ -190,12 +191,13 @@ class LlamaModel(nn.Module):
                 norm = layers[i + 1].attention_norm
                 h = ops.add_rms_norm(m, residual, norm.weight, norm.eps)
             else:
-                residual.add_(m)  # the final norm runs in logits(), on the sampled rows only
+                ops.add_(residual, m)  # the final norm runs in logits(), on the sampled rows
         return residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the given rows of hidden state (only the rows being sampled)."""
-        logits = self.lm_head(self.norm(hidden)).float()
+        ops = self.ops(hidden)
+        logits = ops.widen(self.lm_head(ops.rms_norm(hidden, self.norm.weight, self.norm.eps)))
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -25,6 +25,18 @@ RopeInputs = tuple[Any, ...]
 class TorchOps:
     name = "torch"
 
+    def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``table`` for ``ids``: a fresh tensor (the residual stream)."""
+        return F.embedding(ids, table)
+
+    def add_(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """``x += y`` in place."""
+        x.add_(y)
+
+    def widen(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in float32 (the logits' dtype)."""
+        return x.float()
+
     def add_rms_norm(
         self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
@@ -68,6 +80,20 @@ class NativeOps(TorchOps):
         self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
         return self.kernels.add_rms_norm(x, residual, weight, eps)
+
+    def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if table.is_contiguous() and ids.dim() == 1 and ids.dtype == torch.int64:
+            return self.kernels.embed(table, ids)
+        return super().embed(table, ids)
+
+    def add_(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if x.is_contiguous() and y.is_contiguous() and x.shape == y.shape:
+            self.kernels.add_(x, y)
+        else:
+            super().add_(x, y)
+
+    def widen(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.widen(x) if x.is_contiguous() else super().widen(x)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and x.is_contiguous():  # the fused kernel's rows (sublayer outputs)
