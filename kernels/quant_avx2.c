@@ -123,13 +123,10 @@ static inline __attribute__((always_inline)) void qblock16_avx2(const int FMT, c
         q[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4));
         return;
     }
-    default: { /* HQ_Q4_K: super-block b / 8, sub-block j = b % 8 */
+    default: { /* HQ_Q4_K: super-block b / 8, sub-block j = b % 8; D and MB are the
+                  caller's (q4k_scales_avx2, once a super-block) */
         const uint8_t *r = row + 144 * (b / 8);
         const int j = (int)(b % 8);
-        int sc, mn;
-        q4k_scale_min(j, r + 4, &sc, &mn);
-        *D = h2f(r) * (float)sc;
-        *MB = -(h2f(r + 2) * (float)mn);
         /* 32 bytes of nibbles hold sub-blocks 2c (low nibbles) and 2c + 1 (high) */
         const uint8_t *nib = r + 16 + 32 * (j / 2);
         const __m128i m4 = _mm_set1_epi8(0x0F);
@@ -146,12 +143,23 @@ static inline __attribute__((always_inline)) void qblock16_avx2(const int FMT, c
     }
 }
 
+/* A Q4_K super-block's 8 sub-block scales D and offsets MB. */
+static inline void q4k_scales_avx2(const uint8_t *r, float ds[8], float ms[8]) {
+    const float d = h2f(r), dmin = h2f(r + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        q4k_scale_min(j, r + 4, &sc, &mn);
+        ds[j] = d * (float)sc;
+        ms[j] = -(dmin * (float)mn);
+    }
+}
+
 /* One weight row against the MM rows of xq: per block, vpmaddwd dots the 32 integer
  * weights with each row's 32 int16; the sum is scaled by D times the row's block scale. */
 static inline __attribute__((always_inline)) void direct_row_avx2(
     const int FMT, const int MM, int64_t k, int64_t nb, const int16_t *xq, const float *sx,
-    const float *xsum, const uint8_t *row, int64_t j, const float *scale, const float *bias,
-    void *y, int y_bf16, int64_t n) {
+    const float *xsum, const uint8_t *row, int64_t i0, int64_t j, const float *scale,
+    const float *bias, void *y, int y_bf16, int64_t n) {
     const int64_t kp = 32 * nb;
     const int offset = FMT == HQ_Q4_0 || FMT == HQ_Q4_1 || FMT == HQ_Q4_K;
     __m256 acc[MM];
@@ -160,10 +168,16 @@ static inline __attribute__((always_inline)) void direct_row_avx2(
         acc[r] = _mm256_setzero_ps();
         off[r] = 0.0f;
     }
+    float ds[8], ms[8]; /* Q4_K: the current super-block's sub-block scales and offsets */
     for (int64_t b = 0; b < nb; b++) {
         __m256i q[2];
-        float D, MB;
+        float D = 0.0f, MB = 0.0f;
+        if (FMT == HQ_Q4_K && b % 8 == 0) q4k_scales_avx2(row + 144 * (b / 8), ds, ms);
         qblock16_avx2(FMT, row, b, k, q, &D, &MB);
+        if (FMT == HQ_Q4_K) {
+            D = ds[b % 8];
+            MB = ms[b % 8];
+        }
         for (int r = 0; r < MM; r++) {
             const int16_t *xr = xq + r * kp + 32 * b;
             const __m256i dot = _mm256_add_epi32(
@@ -175,15 +189,17 @@ static inline __attribute__((always_inline)) void direct_row_avx2(
         }
     }
     for (int r = 0; r < MM; r++)
-        put(y, y_bf16, r * n + j, finish(hsum8(acc[r]) + off[r], scale, bias, j));
+        put(y, y_bf16, (i0 + r) * n + j, finish(hsum8(acc[r]) + off[r], scale, bias, j));
 }
 
-/* The streaming path for m <= DIRECT_AVX2 rows; returns -1 when memory runs out. */
+/* The streaming path for m <= DIRECT_AVX2 rows; returns -1 when memory runs out. (More rows
+ * take linear_tiled: its float32 panels beat re-streaming runs of 4 rows for the row
+ * layouts, measured on SmolLM2's shapes; interleaved weights stream at every m.) */
 static int direct_avx2(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t k,
                        const uint8_t *w, int64_t n, int64_t rb, const float *scale,
                        const float *bias, void *y, int y_bf16) {
-    const int64_t nb = (k + 31) / 32, kp = 32 * nb;
-    int16_t *xq = malloc((size_t)(m * kp) * sizeof(int16_t));
+    const int64_t nb = (k + 31) / 32;
+    int16_t *xq = malloc((size_t)(m * 32 * nb) * sizeof(int16_t));
     float *sx = malloc((size_t)(2 * m * nb + 1) * sizeof(float));
     if (!xq || !sx) {
         free(xq);
@@ -195,9 +211,9 @@ static int direct_avx2(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t 
     const int par = n * rb * m >= PAR_WORK;
 #define DIRECT_AVX2_CASE(FMT, MM)                                                            \
     case (FMT) * 8 + (MM): {                                                                 \
-        _Pragma("omp parallel for schedule(static) if (par)")                          \
+        _Pragma("omp parallel for schedule(static) if (par)")                               \
         for (int64_t j = 0; j < n; j++)                                                      \
-            direct_row_avx2(FMT, MM, k, nb, xq, sx, xsum, w + j * rb, j, scale, bias, y,     \
+            direct_row_avx2(FMT, MM, k, nb, xq, sx, xsum, w + j * rb, 0, j, scale, bias, y,  \
                             y_bf16, n);                                                      \
         break;                                                                               \
     }

@@ -9,22 +9,27 @@
  * (fp16 d, fp16 m, nibbles: q * d + m), 4 Q4_K (super-blocks of 256: fp16 d, fp16 dmin,
  * 12 bytes of 6-bit scales and mins of 8 sub-blocks of 32, 128 bytes of nibbles).
  *
- * Numerics: activations stay float32 (bfloat16 ones are widened exactly); each weight is
- * dequantized to float32 in registers, as GGUF's reference dequantizer computes it (up to
- * one fused rounding), and products accumulate in float32. Nothing is quantized on the
- * activation side, so the result is x @ deq(W).T up to float32 summation order.
+ * Numerics: each weight is its integer times the block's scale plus its offset, as GGUF's
+ * reference dequantizer computes it. The panel paths dequantize to float32 (up to one fused
+ * rounding) and multiply float32 activations (bfloat16 ones widened exactly). The SIMD
+ * streaming paths carry x as int16 blocks of 32 with power-of-two scales (|error| <= 2^-15
+ * of the block's largest |x|) and form each block's dot product exactly in integers. Either
+ * way the result is x @ deq(W).T to ~2^-15 of |x| |w|, and products accumulate in float32.
  *
- * Why two paths: with one or two rows (decode) the layer is bound by the bandwidth of the
- * weight bytes, so each weight row is streamed once and its 32-value units are dotted with
- * the rows straight from registers. With more rows the work is bound by multiply-adds: a
- * panel of PANEL weight rows is dequantized once into a small per-thread buffer (PANEL x k
- * floats, a tile and never the whole matrix) and a register-blocked kernel multiplies it
- * with every activation row, so the dequantization is paid once per panel, not per row.
- * Both parallelise over output features with OpenMP.
+ * Why two paths: with up to 4 rows (decode, speculative verification) the layer is bound by
+ * the bandwidth of the weight bytes, so each weight row is streamed once and its blocks are
+ * dotted with the rows in integers straight from registers (vpmaddwd on AVX2, vpdpwssd on
+ * AVX-512). With more rows the work is bound by multiply-adds: a panel of PANEL weight rows
+ * is dequantized once into a small per-thread buffer (PANEL x k floats, a tile and never
+ * the whole matrix) and a register-blocked kernel multiplies it with every activation row,
+ * so the dequantization is paid once per panel, not per row. Interleaved weights (16
+ * features' blocks side by side, quant_interleave.py) stream at every row count on AVX2.
+ * All parallelise over output features with OpenMP.
  *
  * Builds: -march=native on a CPU with AVX-512 (BW, BF16, VNNI) takes the paths of
  * quant_avx512.c and the files after it (AMX tiles where the CPU has them, interleaved
- * weights); on other x86-64 CPUs the AVX2 + FMA + F16C paths here; elsewhere
+ * weights); on other x86-64 CPUs the AVX2 + FMA + F16C paths (here, quant_avx2.c and
+ * quant_interleaved_avx2.c); elsewhere
  * (-march=x86-64, other CPUs) a portable C path computes the same function.
  */
 #include <stdint.h>
@@ -47,7 +52,6 @@ enum { HQ_IQ8_0 = 5, HQ_IQ4_0 = 6, HQ_IQ4_1 = 7 };
 #define PANEL 16       /* weight rows dequantized together (the tiled path) */
 #define TM 2           /* activation rows per register tile */
 #define TN 4           /* weight rows per register tile */
-#define DIRECT_ROWS 2  /* up to this many rows take the streaming path */
 #define PAR_WORK 65536 /* below this many weight bytes x rows, one thread is faster */
 
 typedef uint16_t bf16;
@@ -295,65 +299,6 @@ static inline void nib32(__m256i q, __m256 w[4]) {
         }                                                                                        \
     } while (0)
 
-/* ACC += D * (Q . X[K0 .. K0 + 32)), and C += MB * (the block's sum of X) where OFFSET:
- * the block's dot product is formed unscaled, so a block costs one scaling, not four. */
-#define HQ_DOT(ACC, C, X, XSUM, Q, D, MB, K0, SCALED, OFFSET)                                   \
-    do {                                                                                         \
-        __m256 p_ = _mm256_mul_ps(Q[0], _mm256_loadu_ps((X) + (K0)));                            \
-        p_ = _mm256_fmadd_ps(Q[1], _mm256_loadu_ps((X) + (K0) + 8), p_);                         \
-        p_ = _mm256_fmadd_ps(Q[2], _mm256_loadu_ps((X) + (K0) + 16), p_);                        \
-        p_ = _mm256_fmadd_ps(Q[3], _mm256_loadu_ps((X) + (K0) + 24), p_);                        \
-        ACC = SCALED ? _mm256_fmadd_ps(_mm256_set1_ps(D), p_, ACC) : _mm256_add_ps(p_, ACC);     \
-        if (OFFSET) C += (MB) * (XSUM)[(K0) / 32];                                               \
-    } while (0)
-
-/* Each 32-column block's sum of each of the first m rows of x: xsum[i * (k / 32) + b]. */
-static void block_sums(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum) {
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t b = 0; b < k / 32; b++) {
-            const float *p = x + i * ldx + 32 * b;
-            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
-                                     _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
-            xsum[i * (k / 32) + b] = hsum8(s);
-        }
-}
-
-/* The streaming path: m <= DIRECT_ROWS; returns -1 when memory runs out. Two accumulators
- * a row (even and odd blocks) keep the chains of block scalings short. */
-static int linear_direct(int fmt, const float *x, int64_t ldx, int64_t m, int64_t k,
-                         const uint8_t *w, int64_t n, int64_t rb, const float *scale,
-                         const float *bias, void *y, int y_bf16) {
-    const int64_t k32 = fmt == HQ_INT8 ? k & ~(int64_t)31 : k, nb = k / 32;
-    float *xsum = malloc((size_t)(m * nb + 1) * sizeof(float));
-    if (!xsum) return -1;
-    block_sums(x, ldx, m, k32, xsum);
-    const float *x0 = x, *x1 = x + ldx, *s0 = xsum, *s1 = xsum + nb;
-#pragma omp parallel for schedule(dynamic, 32) if (n * rb * m >= PAR_WORK)
-    for (int64_t j = 0; j < n; j++) {
-        const uint8_t *row = w + j * rb;
-        __m256 a = _mm256_setzero_ps(), b = a;
-        float c0 = 0.0f, c1 = 0.0f;
-        if (m == 2)
-            HQ_WALK(fmt, row, k, Q, D, MB, k0, SCALED, OFFSET,
-                    HQ_DOT(a, c0, x0, s0, Q, D, MB, k0, SCALED, OFFSET);
-                    HQ_DOT(b, c1, x1, s1, Q, D, MB, k0, SCALED, OFFSET));
-        else
-            HQ_WALK(fmt, row, k, Q, D, MB, k0, SCALED, OFFSET,
-                    if ((k0 / 32) & 1) HQ_DOT(b, c0, x0, s0, Q, D, MB, k0, SCALED, OFFSET);
-                    else HQ_DOT(a, c0, x0, s0, Q, D, MB, k0, SCALED, OFFSET));
-        float r0 = c0 + hsum8(m == 2 ? a : _mm256_add_ps(a, b)), r1 = c1 + hsum8(b);
-        for (int64_t kk = k32; kk < k; kk++) { /* int8 only */
-            const float q = (float)(int8_t)row[kk];
-            r0 += x0[kk] * q;
-            if (m == 2) r1 += x1[kk] * q;
-        }
-        put(y, y_bf16, j, finish(r0, scale, bias, j));
-        if (m == 2) put(y, y_bf16, n + j, finish(r1, scale, bias, j));
-    }
-    free(xsum);
-    return 0;
-}
-
 static void dequant_row(int fmt, const uint8_t *row, int64_t k, float *out) {
     HQ_WALK(fmt, row, k, Q, D, MB, k0, SCALED, OFFSET, {
         const __m256 d = _mm256_set1_ps(D), mb = _mm256_set1_ps(MB);
@@ -474,6 +419,7 @@ static int linear_tiled(int fmt, const float *x, int64_t ldx, int64_t m, int64_t
 
 #if defined(HQ_AVX2) && !defined(HQ_AVX512)
 #include "quant_avx2.c"
+#include "quant_interleaved_avx2.c"
 #endif
 
 #ifdef HQ_AVX512
@@ -500,12 +446,12 @@ int hq_linear(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m, int64_
 #ifdef HQ_AVX512
     if (fmt >= HQ_IQ8_0) return ilinear(fmt, x, ldx, x_bf16, m, k, w, n, bias, y, y_bf16) ? -2 : 0;
     return linear512(fmt, x, ldx, x_bf16, m, k, w, n, rb, scale, bias, y, y_bf16) ? -2 : 0;
-#else
-    if (fmt >= HQ_IQ8_0) return -1; /* interleaved weights are made for AVX-512 builds only */
-#endif
-#if defined(HQ_AVX2) && !defined(HQ_AVX512)
+#elif defined(HQ_AVX2)
+    if (fmt >= HQ_IQ8_0) return ilinear_avx2(fmt, x, ldx, x_bf16, m, k, w, n, bias, y, y_bf16) ? -2 : 0;
     if (m <= DIRECT_AVX2)
         return direct_avx2(fmt, x, ldx, x_bf16, m, k, w, n, rb, scale, bias, y, y_bf16) ? -2 : 0;
+#else
+    if (fmt >= HQ_IQ8_0) return -1; /* interleaved weights are made for SIMD builds only */
 #endif
     const float *xf = x;
     float *widened = NULL;
@@ -518,13 +464,7 @@ int hq_linear(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m, int64_
         xf = widened;
         ldx = k;
     }
-    int rc = 0;
-#ifdef HQ_AVX2
-    if (m <= DIRECT_ROWS)
-        rc = linear_direct(fmt, xf, ldx, m, k, w, n, rb, scale, bias, y, y_bf16) ? -2 : 0;
-    else
-#endif
-        rc = linear_tiled(fmt, xf, ldx, m, k, w, n, rb, scale, bias, y, y_bf16) ? -2 : 0;
+    const int rc = linear_tiled(fmt, xf, ldx, m, k, w, n, rb, scale, bias, y, y_bf16) ? -2 : 0;
     free(widened);
     return rc;
 }

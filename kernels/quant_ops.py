@@ -36,13 +36,14 @@ SOURCE = Path(__file__).with_name("quant_ops.c")
 # The files quant_ops.c includes (its AVX-512 parts): a change to any rebuilds the library.
 INCLUDED = (
     "quant_avx2.c",
+    "quant_interleaved_avx2.c",
     "quant_avx512.c",
     "quant_amx.c",
     "amx_tiles.h",
     "quant_interleaved.c",
     "quant_panels.c",
 )
-FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 # quant_ops.c's format codes
 _CODES = {GgufKind.Q8_0: 1, GgufKind.Q4_0: 2, GgufKind.Q4_1: 3, GgufKind.Q4_K: 4}
 _INTERLEAVED_CODES = {GgufKind.Q8_0: 5, GgufKind.Q4_0: 6, GgufKind.Q4_1: 7}
@@ -116,20 +117,21 @@ class QuantOps:
 
     def supports(self, qw: QuantizedWeight) -> bool:
         """CPU weights in GGUF blocks, or int8 with one scale per output feature; GGUF
-        blocks interleaved (:meth:`interleaves`) on AVX-512 builds."""
+        blocks interleaved (:meth:`interleaves`) on AVX-512 and AVX2 builds."""
         if qw.device.type != "cpu":
             return False
         if isinstance(qw, Int8Weight):
             return qw.scale.dim() == 1
         if isinstance(qw, InterleavedWeight):
-            return self.simd == "avx512_bf16"
+            return self.simd in ("avx512_bf16", "avx2")
         return isinstance(qw, GgufWeight)
 
     def interleaves(self, qw: QuantizedWeight) -> bool:
         """Whether ``qw`` is served faster interleaved here (quant_interleave.py): Q8_0,
-        Q4_0 and Q4_1 on CPUs with AMX (its kernels read both row counts' paths from it)."""
+        Q4_0 and Q4_1 on CPUs with AMX (its kernels read both row counts' paths from it) and
+        on AVX2 ones (quant_interleaved_avx2.c: one scale conversion for 16 features)."""
         return (
-            self.amx
+            (self.amx or self.simd == "avx2")
             and isinstance(qw, GgufWeight)
             and qw.kind in INTERLEAVED_KINDS
             and qw.device.type == "cpu"
