@@ -909,8 +909,10 @@ ERROR_RESPONSES = {  # status: (component name, when)
     422: ("BadSnapshot", "The snapshot is missing, unreadable or of a model type not run."),
     429: (
         "TooManyRequests",
-        "The deployment already has `max_queue` requests waiting for a replica; retry after "
-        "`Retry-After` seconds.",
+        "The deployment already has `max_queue` requests waiting for a replica (`queue_full`), "
+        "or runs its `max_replicas` with more prompt tokens queued than they prefill in "
+        "`queue_timeout_s` at their measured rate (`overloaded`); retry after `Retry-After` "
+        "seconds.",
     ),
     502: ("BadGateway", "The replica serving the request failed before the answer started."),
     503: (

@@ -15,15 +15,19 @@ turn finds its history; else the ready replica with the fewest outstanding reque
 With none ready, the request
 waits (at most ``max_queue`` per deployment, at most ``queue_timeout_s``) for the replica
 the pool is starting, starting one if there is none; a full queue is a 429 and an expired
-wait a 503, both with ``Retry-After``, never a hang. Demand beyond one replica is the
-autoscaler's: the router wakes it whenever requests queue or a replica passes its target
-concurrency.
+wait a 503, both with ``Retry-After``, never a hang. Admission also counts tokens
+(:meth:`Router._admit`): at ``max_replicas``, a request whose prompt would wait longer than
+``queue_timeout_s`` behind the prompts queued on its replica (at that replica's measured
+prefill rate) is a 429 at once, rather than a request that times out after holding a slot.
+Demand beyond one replica is the autoscaler's: the router wakes it whenever requests queue
+or a replica passes its target concurrency.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import random
 import time
 from collections import Counter
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 from hotpool.billing.deployments import DeploymentSpec
 from hotpool.platform.errors import APIError
 from hotpool.platform.prompt_hasher import PromptHasher, PromptKey
+from hotpool.pool.capacity import rates
 from hotpool.pool.pool import WorkerPool
 from hotpool.pool.replica import Replica, ReplicaState
 from hotpool.worker.protocol import GenerateRequest
@@ -197,11 +202,12 @@ class Router:
         self, target: Target, t0: float, avoid: Replica | None, affinity: Affinity | None
     ) -> tuple[tuple[Replica, Work], bool]:
         spec = target.spec
-        ready = self._pick(target, avoid, affinity)
-        if ready is not None:
-            return ready, False
         max_queue = spec.max_queue or self.max_queue
         timeout_s = spec.queue_timeout_s or self.queue_timeout_s
+        ready = self._pick(target, avoid, affinity)
+        if ready is not None:
+            self._admit(spec, *ready, timeout_s)
+            return ready, False
         if self.waiting[spec.name] >= max_queue:
             # Over the deployment's limit, not the server's failure: a 429, which the openai
             # client retries after Retry-After, as it does OpenAI's own "overloaded".
@@ -253,6 +259,36 @@ class Router:
             self.waiting_for[(spec.name, spec.generation)] -= 1
             self.waiting_tokens[(spec.name, spec.generation, "prompt")] -= tokens[0]
             self.waiting_tokens[(spec.name, spec.generation, "output")] -= tokens[1]
+
+    def _admit(self, spec: DeploymentSpec, replica: Replica, work: Work, timeout_s: float) -> None:
+        """Admission in tokens: a 429 (the claim on ``replica`` released) when the prompt
+        tokens queued there ahead of this request would take longer than ``timeout_s`` to
+        prefill at the replica's measured rate and the version already runs its
+        ``max_replicas`` (below that, the autoscaler adds replicas and the request waits
+        its turn). A few 8k-token prompts fill a replica as dozens of chats do; a request
+        count (``max_queue``, ``target_concurrency``) cannot see it."""
+        measured = rates(replica.capacity)
+        if measured is None:
+            return  # no step measured yet: nothing to predict with
+        wait = (replica.queued_tokens - work.prompt) / measured.prefill
+        if wait <= timeout_s:
+            return
+        live = [
+            r
+            for r in self.pool.replicas(spec.name)
+            if r.generation == replica.generation and r.state is not ReplicaState.DRAINING
+        ]
+        if len(live) < spec.max_replicas:
+            return
+        work.done()
+        replica.inflight -= 1
+        self.decisions[(spec.name, "overloaded")] += 1
+        raise APIError(
+            429, f"deployment {spec.name!r} is at capacity: ~{wait:.0f}s of prompts are queued"
+            f" on its replicas (max_replicas {spec.max_replicas}, measured"
+            f" {measured.prefill:.0f} prompt tokens/s each); retry later",
+            code="overloaded", retry_after_s=max(1, math.ceil(wait - timeout_s)),
+        )  # fmt: skip
 
     async def _wait_ready(self, replica: Replica, timeout_s: float) -> None:
         """Until ``replica`` is ready (or failed); TimeoutError after ``timeout_s``; a 503
