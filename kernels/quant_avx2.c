@@ -14,13 +14,6 @@
 
 #define DIRECT_AVX2 4
 
-static inline float pow2_avx2(int e) { /* 2^e, -126 <= e <= 127 */
-    const uint32_t u = (uint32_t)(e + 127) << 23;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 static inline float hmax8(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -63,15 +56,9 @@ static void quantize_x16_avx2(const void *x, int64_t ldx, int x_bf16, int64_t m,
             const float sum = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]),
                                                   _mm256_add_ps(v[2], v[3])));
             if (xsum) xsum[i * nb + b] = sum;
-            const float amax = hmax8(mx);
-            uint32_t u;
-            memcpy(&u, &amax, sizeof u);
-            int e = (int)(u >> 23) - 126; /* amax < 2^e */
-            if (e < -111) e = -111;       /* both powers below stay normal floats */
-            const float inv = amax > 0.0f ? pow2_avx2(15 - e) : 0.0f;
-            float s = amax > 0.0f ? pow2_avx2(e - 15) : 0.0f;
-            if (!(amax <= 3.4028235e38f) || sum != sum) s = __builtin_nanf(""); /* inf, NaN */
-            sx[i * nb + b] = s;
+            float inv;
+            const float s = x16_scale(hmax8(mx), &inv);
+            sx[i * nb + b] = sum == sum ? s : sum; /* max_ps drops a NaN; the sum keeps it */
             const __m256 sc = _mm256_set1_ps(inv);
             __m256i q[4];
             for (int t = 0; t < 4; t++) q[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], sc));
@@ -92,20 +79,8 @@ static inline __attribute__((always_inline)) void qblock16_avx2(const int FMT, c
     switch (FMT) {
     case HQ_INT8:
     case HQ_Q8_0: {
-        const uint8_t *p;
         uint8_t tail[32];
-        if (FMT == HQ_Q8_0) {
-            *D = h2f(row + 34 * b);
-            p = row + 34 * b + 2;
-        } else {
-            *D = 1.0f;
-            p = row + 32 * b;
-            if (32 * b + 32 > k) {
-                memset(tail, 0, 32);
-                memcpy(tail, p, (size_t)(k - 32 * b));
-                p = tail;
-            }
-        }
+        const uint8_t *p = q8_block(FMT, row, b, k, tail, D);
         *MB = 0.0f;
         q[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
         q[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
@@ -113,12 +88,8 @@ static inline __attribute__((always_inline)) void qblock16_avx2(const int FMT, c
     }
     case HQ_Q4_0:
     case HQ_Q4_1: {
-        const int asym = FMT == HQ_Q4_1;
-        const uint8_t *r = row + (asym ? 20 : 18) * b;
-        *D = h2f(r);
-        *MB = asym ? h2f(r + 2) : -8.0f * *D;
         const __m128i m4 = _mm_set1_epi8(0x0F);
-        const __m128i v = _mm_loadu_si128((const __m128i *)(r + (asym ? 4 : 2)));
+        const __m128i v = _mm_loadu_si128((const __m128i *)q4_block(FMT, row, b, D, MB));
         q[0] = _mm256_cvtepu8_epi16(_mm_and_si128(v, m4));
         q[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4));
         return;

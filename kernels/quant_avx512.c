@@ -36,23 +36,6 @@
 #define PREFETCH512 2048 /* bytes ahead in the weight stream */
 #define PANEL512 48 /* features per panel of the vdpbf16ps path: three vectors of 16 */
 
-/* Block b's 32 int8 of an int8 or Q8_0 row (int8 columns past k read as 0, copied into
- * tail) and its scale *D (int8: 1, the caller's scale is applied later). */
-static inline __attribute__((always_inline)) const uint8_t *q8_block(const int FMT,
-                                                                     const uint8_t *row,
-                                                                     int64_t b, int64_t k,
-                                                                     uint8_t tail[32], float *D) {
-    if (FMT == HQ_Q8_0) {
-        *D = h2f(row + 34 * b);
-        return row + 34 * b + 2;
-    }
-    *D = 1.0f;
-    if (32 * b + 32 <= k) return row + 32 * b;
-    memset(tail, 0, 32);
-    memcpy(tail, row + 32 * b, (size_t)(k - 32 * b));
-    return tail;
-}
-
 /* Block b's integers as 32 float32 (q[0]: columns 32 b .. 32 b + 15, q[1]: the rest), its
  * scale and offset. FMT is a constant where this is inlined. int8 columns past k read 0. */
 static inline __attribute__((always_inline)) void qblock_ps(const int FMT, const uint8_t *row,
@@ -73,12 +56,8 @@ static inline __attribute__((always_inline)) void qblock_ps(const int FMT, const
     }
     case HQ_Q4_0:
     case HQ_Q4_1: {
-        const int asym = FMT == HQ_Q4_1;
-        const uint8_t *r = row + (asym ? 20 : 18) * b;
-        *D = h2f(r);
-        *MB = asym ? h2f(r + 2) : -8.0f * *D;
         /* byte i holds value i (low nibble) and value i + 16 (high) */
-        const __m128i v = _mm_loadu_si128((const __m128i *)(r + (asym ? 4 : 2)));
+        const __m128i v = _mm_loadu_si128((const __m128i *)q4_block(FMT, row, b, D, MB));
         q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, m4)));
         q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4)));
         return;
@@ -135,12 +114,8 @@ static inline __attribute__((always_inline)) __m512i qblock_epi16(const int FMT,
     }
     case HQ_Q4_0:
     case HQ_Q4_1: {
-        const int asym = FMT == HQ_Q4_1;
-        const uint8_t *r = row + (asym ? 20 : 18) * b;
-        *D = h2f(r);
-        *MB = asym ? h2f(r + 2) : -8.0f * *D;
         const __m128i m4 = _mm_set1_epi8(0x0F);
-        const __m128i v = _mm_loadu_si128((const __m128i *)(r + (asym ? 4 : 2)));
+        const __m128i v = _mm_loadu_si128((const __m128i *)q4_block(FMT, row, b, D, MB));
         const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4),
                                               _mm_and_si128(v, m4));
         return _mm512_cvtepu8_epi16(both);
@@ -158,13 +133,6 @@ static inline __attribute__((always_inline)) __m512i qblock_epi16(const int FMT,
             _mm256_and_si256((j & 1) ? _mm256_srli_epi16(v, 4) : v, m4));
     }
     }
-}
-
-static inline float pow2(int e) { /* 2^e, -126 <= e <= 127 */
-    const uint32_t u = (uint32_t)(e + 127) << 23;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
 }
 
 /*
@@ -188,14 +156,8 @@ static void quantize_x16(const void *x, int64_t ldx, int x_bf16, int64_t m, int6
             const __m512 a = _mm512_loadu_ps(buf), z = _mm512_loadu_ps(buf + 16);
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(z)));
             if (xsum) xsum[i * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(a, z));
-            /* a power of two: scaling is exact, and x's of few bits (one-hot rows) stay exact */
-            uint32_t u;
-            memcpy(&u, &amax, sizeof u);
-            int e = (int)(u >> 23) - 126; /* amax < 2^e */
-            if (e < -111) e = -111;       /* both powers below stay normal floats */
-            const float inv = amax > 0.0f ? pow2(15 - e) : 0.0f;
-            sx[i * nb + b] = amax > 0.0f ? pow2(e - 15) : 0.0f;
-            if (!(amax <= 3.4028235e38f)) sx[i * nb + b] = amax - amax; /* inf, NaN: NaN out */
+            float inv;
+            sx[i * nb + b] = x16_scale(amax, &inv);
             const __m512 s = _mm512_set1_ps(inv);
             const __m256i qa = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, s)));
             const __m256i qz = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(z, s)));

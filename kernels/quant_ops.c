@@ -188,6 +188,57 @@ static inline float finish(float dot, const float *scale, const float *bias, int
 
 #ifdef HQ_AVX2
 
+/* Block b's 32 int8 of an int8 or Q8_0 row (int8 columns past k read as 0, copied into
+ * tail) and its scale *D (int8: 1, the caller's scale is applied later). */
+static inline __attribute__((always_inline)) const uint8_t *q8_block(const int FMT,
+                                                                     const uint8_t *row,
+                                                                     int64_t b, int64_t k,
+                                                                     uint8_t tail[32], float *D) {
+    if (FMT == HQ_Q8_0) {
+        *D = h2f(row + 34 * b);
+        return row + 34 * b + 2;
+    }
+    *D = 1.0f;
+    if (32 * b + 32 <= k) return row + 32 * b;
+    memset(tail, 0, 32);
+    memcpy(tail, row + 32 * b, (size_t)(k - 32 * b));
+    return tail;
+}
+
+/* Block b of a Q4_0 or Q4_1 row: its scale *D and offset *MB (Q4_0: -8 D), and its 16 bytes
+ * of nibbles (byte i: value i low, value i + 16 high). */
+static inline __attribute__((always_inline)) const uint8_t *q4_block(const int FMT,
+                                                                     const uint8_t *row,
+                                                                     int64_t b, float *D,
+                                                                     float *MB) {
+    const int asym = FMT == HQ_Q4_1;
+    const uint8_t *r = row + (asym ? 20 : 18) * b;
+    *D = h2f(r);
+    *MB = asym ? h2f(r + 2) : -8.0f * *D;
+    return r + (asym ? 4 : 2);
+}
+
+static inline float pow2(int e) { /* 2^e, -126 <= e <= 127 */
+    const uint32_t u = (uint32_t)(e + 127) << 23;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The int16 scale of a block of x whose largest |x| is amax: returns sx (x ~ q * sx), and
+ * 1 / sx in *inv. A power of two, so scaling is exact and x's of few bits (one-hot rows)
+ * stay exact; an all-zero block has scale 0; inf or NaN give NaN (a NaN out, not a value
+ * made up). */
+static inline float x16_scale(float amax, float *inv) {
+    uint32_t u;
+    memcpy(&u, &amax, sizeof u);
+    int e = (int)(u >> 23) - 126; /* amax < 2^e */
+    if (e < -111) e = -111;       /* both powers below stay normal floats */
+    *inv = amax > 0.0f ? pow2(15 - e) : 0.0f;
+    if (!(amax <= 3.4028235e38f)) return amax - amax;
+    return amax > 0.0f ? pow2(e - 15) : 0.0f;
+}
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
