@@ -21,6 +21,9 @@ reads each weight once: measured copy bandwidth (bytes read + written per second
 of a few 256 MB copies) over the bytes of weights a step reads (``read MB``: all but an
 embedding table that is not also the LM head; llama.cpp's: its whole model). Prints a
 table, the ratios to llama.cpp and to bf16, and each single stream's share of its bound.
+A single stream is weighed by its decode speed (``dec tok/s``, one token a TPOT: its
+prompt's prefill is the same work in every format), concurrent streams by throughput
+(``tok/s``: generated tokens over the whole run, prefills included).
 
     python benchmarks/bench_quant.py                    # concurrency 1 32, every variant
     python benchmarks/bench_quant.py --concurrency 1 --variants fp32 gguf
@@ -162,6 +165,15 @@ def run_llama_cpp(
     return json.loads(proc.stdout.strip().splitlines()[-1]), ""
 
 
+def _decode(r: Result) -> float:
+    """A stream's decode tokens/s: one token a TPOT."""
+    return 1.0 / r.tpot_s
+
+
+def _throughput(r: Result) -> float:
+    return r.tokens_per_s
+
+
 def requests_at(c: int, cap: int, minimum: int) -> int:
     # Steady state comes after a few requests: a full run at low concurrency adds nothing.
     return min(cap, max(minimum, 2 * c))
@@ -236,8 +248,8 @@ def main() -> None:
 
     engines = [e for e in [*args.variants, "llama.cpp"] if any(k[0] == e for k in rows)]
     header = f"{'engine':<16} {'conc':>4} {'reqs':>4} | {'tok/s':>7} {'TTFT s':>7} "
-    header += f"{'TPOT ms':>8} | {'read MB':>10} {'bound tok/s':>11} {'of bound':>8} | "
-    header += f"{'vs llama.cpp':>12} {'vs bf16':>7}"
+    header += f"{'TPOT ms':>8} {'dec tok/s':>9} | {'read MB':>10} {'bound tok/s':>11} "
+    header += f"{'of bound':>8} | {'vs llama.cpp':>12} {'vs bf16':>7}"
     print()
     print(header)
     print("-" * len(header))
@@ -250,11 +262,15 @@ def main() -> None:
                 continue
             name = e if e == "llama.cpp" else f"hotpool {e}"
             bound = bandwidth / held[e]  # tok/s of one stream reading every weight per token
-            share = f"{r.tokens_per_s / bound:>8.0%}" if c == 1 else f"{'':>8}"
-            vs_peer = r.tokens_per_s / peer_row.tokens_per_s if peer_row else None
-            vs_bf16 = r.tokens_per_s / bf16_row.tokens_per_s if bf16_row else None
+            # One stream is compared by its decode speed (1 / TPOT: the prefill is the same
+            # work in every format); concurrent streams by their throughput.
+            speed = _decode if c == 1 else _throughput
+            share = f"{_decode(r) / bound:>8.0%}" if c == 1 else f"{'':>8}"
+            vs_peer = speed(r) / speed(peer_row) if peer_row else None
+            vs_bf16 = speed(r) / speed(bf16_row) if bf16_row else None
             print(f"{name:<16} {c:>4} {requests_at(c, args.requests, args.min_requests):>4} | "
-                  f"{r.tokens_per_s:>7.1f} {r.ttft_s:>7.2f} {r.tpot_s * 1e3:>8.1f} | "
+                  f"{r.tokens_per_s:>7.1f} {r.ttft_s:>7.2f} {r.tpot_s * 1e3:>8.1f} "
+                  f"{_decode(r):>9.1f} | "
                   f"{held[e] / 1e6:>10.0f} {bound:>11.1f} {share} | "
                   + (f"{vs_peer:>12.2f}" if vs_peer and e != "llama.cpp" else f"{'':>12}")
                   + (f" {vs_bf16:>7.2f}" if vs_bf16 and e != "bf16" else f" {'':>7}"))  # fmt: skip
