@@ -46,7 +46,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = cpu_ops.load()
-    if ops is None or not ops.avx512_bf16:
+    if ops is None or not ops.avx512:
         print("hotpool's linear kernel needs the CPU kernels with AVX-512 BF16; not here")
         return 1
     g = torch.Generator().manual_seed(0)

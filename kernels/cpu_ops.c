@@ -287,11 +287,43 @@ static void decode_task_scalar(const decode_args *a, int64_t b, int64_t h) {
     free(qf);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+/* The AVX-512 paths (paged decode and the linear kernels). Their bfloat16 dot products are
+ * vdpbf16ps where the CPU has AVX-512 BF16 (HP_NATIVE_BF16), and two float32 FMAs over the
+ * words widened by a shift and a mask elsewhere (Skylake-SP to Ice Lake servers): each
+ * bfloat16 product is exact in float32, and the FMAs add the odd word's product, then the
+ * even's, as vdpbf16ps does, so both give the same sums (but for denormals, which
+ * vdpbf16ps flushes). */
 #define HP_AVX512_BF16 1
+#if defined(__AVX512BF16__)
+#define HP_NATIVE_BF16 1
+#endif
 #define SIMD_MAX_GROUP 8
 #define SIMD_MAX_DIM 128
+
+/* The odd (high) and even (low) bfloat16 of each 32-bit lane, as float32. */
+static inline __m512 bf16_hi(__m512i pairs) {
+    return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+static inline __m512 bf16_lo(__m512i pairs) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+}
+
+/* 16 floats to bfloat16, nearest even; NaN stays a quiet NaN (f2bf's function). */
+static inline __m256i to_bf16x16(__m512 v) {
+#ifdef HP_NATIVE_BF16
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+#endif
+}
 
 /*
  * The AVX-512 BF16 task, for block sizes that are a multiple of 16, head dims 64 and 128
@@ -377,7 +409,11 @@ static inline __attribute__((always_inline)) void pv_accumulate(
 static inline __attribute__((always_inline)) void decode_core(
     const decode_args *a, int64_t b, int64_t h, const int64_t group, const int64_t dim) {
     const int64_t bs = a->block_size, chunks = dim / 32, vecs = dim / 16, len = a->seq_lens[b];
+#ifdef HP_NATIVE_BF16
     __m512bh qv[SIMD_MAX_GROUP * SIMD_MAX_DIM / 32];
+#else
+    __m512 q_hi[SIMD_MAX_GROUP * SIMD_MAX_DIM / 32], q_lo[SIMD_MAX_GROUP * SIMD_MAX_DIM / 32];
+#endif
     __m512 acc[SIMD_MAX_GROUP * SIMD_MAX_DIM / 16];
     float run_max[SIMD_MAX_GROUP], run_sum[SIMD_MAX_GROUP];
     float probs[SIMD_MAX_GROUP][16] __attribute__((aligned(64)));
@@ -385,8 +421,15 @@ static inline __attribute__((always_inline)) void decode_core(
     for (int64_t g = 0; g < group; ++g) {
         const bf16 *qh = a->q + b * a->q_stride + (h * group + g) * dim;
 #pragma GCC unroll 8
-        for (int64_t c = 0; c < chunks; ++c)
+        for (int64_t c = 0; c < chunks; ++c) {
+#ifdef HP_NATIVE_BF16
             qv[g * chunks + c] = (__m512bh)_mm512_loadu_si512(qh + c * 32);
+#else
+            __m512i raw = _mm512_loadu_si512(qh + c * 32);
+            q_hi[g * chunks + c] = bf16_hi(raw);
+            q_lo[g * chunks + c] = bf16_lo(raw);
+#endif
+        }
 #pragma GCC unroll 16
         for (int64_t d = 0; d < vecs; ++d) acc[g * vecs + d] = _mm512_setzero_ps();
         run_max[g] = -INFINITY;
@@ -429,10 +472,17 @@ static inline __attribute__((always_inline)) void decode_core(
             for (int i = 0; i < 16; ++i) {
                 __m512 dot = _mm512_setzero_ps();
 #pragma GCC unroll 8
-                for (int64_t c = 0; c < chunks; ++c)
+                for (int64_t c = 0; c < chunks; ++c) {
+#ifdef HP_NATIVE_BF16
                     dot = _mm512_dpbf16_ps(
                         dot, qv[g * chunks + c],
                         (__m512bh)_mm512_loadu_si512(kb + i * dim + c * 32));
+#else
+                    __m512i key = _mm512_loadu_si512(kb + i * dim + c * 32);
+                    dot = _mm512_fmadd_ps(q_hi[g * chunks + c], bf16_hi(key), dot);
+                    dot = _mm512_fmadd_ps(q_lo[g * chunks + c], bf16_lo(key), dot);
+#endif
+                }
                 part[i] = dot;
             }
             __m512 s = _mm512_mask_blend_ps(live, neg_inf, _mm512_mul_ps(lane_sums16(part), scale));
@@ -459,8 +509,7 @@ static inline __attribute__((always_inline)) void decode_core(
         __m512 inv = _mm512_set1_ps(1.0f / run_sum[g]);
 #pragma GCC unroll 16
         for (int64_t d = 0; d < vecs; ++d)
-            _mm256_storeu_si256((__m256i *)(o + 16 * d),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g * vecs + d], inv)));
+            _mm256_storeu_si256((__m256i *)(o + 16 * d), to_bf16x16(_mm512_mul_ps(acc[g * vecs + d], inv)));
     }
 }
 
@@ -516,9 +565,18 @@ void hp_paged_decode(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const
     }
 }
 
-/* Whether this build has the AVX-512 BF16 paths: hp_paged_decode's and hp_linear's. */
-int hp_avx512_bf16(void) {
+/* Whether this build has the AVX-512 paths: hp_paged_decode's and hp_linear's. */
+int hp_avx512(void) {
 #ifdef HP_AVX512_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether their bfloat16 dot products are vdpbf16ps (else float32 FMAs, the same sums). */
+int hp_native_bf16(void) {
+#ifdef HP_NATIVE_BF16
     return 1;
 #else
     return 0;
@@ -587,46 +645,87 @@ void hp_pack_gate_up(const bf16 *w, int64_t inter, int64_t k, bf16 *out) {
 }
 
 #ifdef HP_AVX512_BF16
+/* What the register kernels read of x, and how: vdpbf16ps takes each row's k pair as one
+ * broadcast 32-bit lane (x stays bf16); the FMA path reads x widened to float32 once per
+ * call (lin_widen), broadcasting the pair's two values, and widens each weight vector into
+ * its odd and even words once for all the rows. */
+#ifdef HP_NATIVE_BF16
+typedef bf16 lin_x;
+#define LIN_W_DECL(J) __m512bh w[J]
+#define LIN_W_LOAD(j, p) (w[j] = (__m512bh)_mm512_loadu_si512(p))
+#define LIN_X_DECL __m512bh xb
+#define LIN_X_LOAD(x, k, r, kp) \
+    (xb = (__m512bh)_mm512_set1_epi32(((const int32_t *)(x))[(r) * ((k) / 2) + (kp)]))
+#define LIN_DOT(acc, j) ((acc) = _mm512_dpbf16_ps((acc), xb, w[j]))
+#else
+typedef float lin_x;
+#define LIN_W_DECL(J) __m512 w_hi[J], w_lo[J]
+#define LIN_W_LOAD(j, p) \
+    (w_hi[j] = bf16_hi(_mm512_loadu_si512(p)), w_lo[j] = bf16_lo(_mm512_loadu_si512(p)))
+#define LIN_X_DECL __m512 x_hi, x_lo
+#define LIN_X_LOAD(x, k, r, kp)                                        \
+    (x_hi = _mm512_set1_ps((x)[(r) * (k) + 2 * (kp) + 1]),             \
+     x_lo = _mm512_set1_ps((x)[(r) * (k) + 2 * (kp)]))
+#define LIN_DOT(acc, j) \
+    ((acc) = _mm512_fmadd_ps(x_lo, w_lo[j], _mm512_fmadd_ps(x_hi, w_hi[j], (acc))))
+#endif
+
 /* R rows x 16 J features of one tile, over all of k. */
 #define LIN_KERNEL(R, J)                                                                    \
-    static void lin_##R##_##J(const bf16 *x, int64_t k, const bf16 *tile, bf16 *y,        \
+    static void lin_##R##_##J(const lin_x *x, int64_t k, const bf16 *tile, bf16 *y,       \
                               int64_t n, const float *bias, const bf16 *pf) {               \
         __m512 acc[R][J];                                                                   \
         for (int r = 0; r < R; ++r)                                                         \
             for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();                    \
-        const uint32_t *pairs = (const uint32_t *)x; /* row r's pair kp: [r * k / 2 + kp] */ \
         for (int64_t kp = 0; kp < k / 2; ++kp) {                                            \
             const bf16 *wk = tile + kp * 32 * J;                                            \
             if (pf)                                                                         \
                 for (int j = 0; j < J; ++j)                                                 \
                     _mm_prefetch((const char *)(pf + kp * 32 * J + 32 * j), LIN_PREFETCH);   \
-            __m512bh w[J];                                                                  \
-            for (int j = 0; j < J; ++j) w[j] = (__m512bh)_mm512_loadu_si512(wk + 32 * j);   \
+            LIN_W_DECL(J);                                                                  \
+            for (int j = 0; j < J; ++j) LIN_W_LOAD(j, wk + 32 * j);                         \
             for (int r = 0; r < R; ++r) {                                                   \
-                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pairs[r * (k / 2) + kp]);    \
-                for (int j = 0; j < J; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, w[j]); \
+                LIN_X_DECL;                                                                 \
+                LIN_X_LOAD(x, k, r, kp);                                                    \
+                for (int j = 0; j < J; ++j) LIN_DOT(acc[r][j], j);                          \
             }                                                                               \
         }                                                                                   \
         for (int r = 0; r < R; ++r)                                                         \
             for (int j = 0; j < J; ++j) {                                                   \
                 __m512 v = acc[r][j];                                                       \
                 if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));             \
-                _mm256_storeu_si256((__m256i *)(y + r * n + 16 * j),                       \
-                                    (__m256i)_mm512_cvtneps_pbh(v));                        \
+                _mm256_storeu_si256((__m256i *)(y + r * n + 16 * j), to_bf16x16(v));        \
             }                                                                               \
     }
 #define LIN_KERNELS(R) LIN_KERNEL(R, 1) LIN_KERNEL(R, 2) LIN_KERNEL(R, 3)
 LIN_KERNELS(1) LIN_KERNELS(2) LIN_KERNELS(3) LIN_KERNELS(4)
 LIN_KERNELS(5) LIN_KERNELS(6) LIN_KERNELS(7) LIN_KERNELS(8)
 
-typedef void (*lin_fn)(const bf16 *, int64_t, const bf16 *, bf16 *, int64_t, const float *,
+typedef void (*lin_fn)(const lin_x *, int64_t, const bf16 *, bf16 *, int64_t, const float *,
                        const bf16 *);
 #define LIN_ROW(R) {lin_##R##_1, lin_##R##_2, lin_##R##_3}
 static const lin_fn LIN[8][3] = {LIN_ROW(1), LIN_ROW(2), LIN_ROW(3), LIN_ROW(4),
                                  LIN_ROW(5), LIN_ROW(6), LIN_ROW(7), LIN_ROW(8)};
 
+/* Rows [m0, m1) of x as the register kernels read them: x itself (vdpbf16ps), or widened to
+ * float32 into *buf (grown as needed; the caller frees it). NULL when out of memory. */
+static const lin_x *lin_rows(const bf16 *x, int64_t m0, int64_t m1, int64_t k, float **buf) {
+#ifdef HP_NATIVE_BF16
+    (void)m1;
+    (void)buf;
+    return x + m0 * k;
+#else
+    float *f = realloc(*buf, (size_t)((m1 - m0) * k) * sizeof(float));
+    if (!f) return NULL;
+    *buf = f;
+#pragma omp parallel for schedule(static) if ((m1 - m0) * k >= 65536)
+    for (int64_t i = 0; i < (m1 - m0) * k; ++i) f[i] = bf2f(x[m0 * k + i]);
+    return f;
+#endif
+}
+
 static inline __m512 round_bf16(__m512 v) { /* to bf16 and back, nearest even */
-    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    __m256i h = to_bf16x16(v);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
@@ -644,44 +743,46 @@ static inline void gu_finish(__m512 g, __m512 u, bf16 *yrow, int64_t inter, int6
         __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gb));
         __m512 s = round_bf16(_mm512_div_ps(gb, _mm512_add_ps(one, e)));
         __m512 out = _mm512_mul_ps(s, round_bf16(u));
-        _mm256_storeu_si256((__m256i *)(yrow + f0), (__m256i)_mm512_cvtneps_pbh(out));
+        _mm256_storeu_si256((__m256i *)(yrow + f0), to_bf16x16(out));
     } else {
-        _mm256_storeu_si256((__m256i *)(yrow + f0), (__m256i)_mm512_cvtneps_pbh(g));
-        _mm256_storeu_si256((__m256i *)(yrow + inter + f0), (__m256i)_mm512_cvtneps_pbh(u));
+        _mm256_storeu_si256((__m256i *)(yrow + f0), to_bf16x16(g));
+        _mm256_storeu_si256((__m256i *)(yrow + inter + f0), to_bf16x16(u));
     }
 }
 
 /* R rows x one gate/up tile; act: y [m, inter] = silu(gate) * up, else y [m, 2 inter]. */
 #define GU_KERNEL(R)                                                                        \
-    static void gu_##R(const bf16 *x, int64_t k, const bf16 *tile, bf16 *y, int64_t inter, \
+    static void gu_##R(const lin_x *x, int64_t k, const bf16 *tile, bf16 *y, int64_t inter,\
                        int64_t f0, const float *bias, int act, const bf16 *pf) {           \
-        __m512 g[R], u[R];                                                                  \
-        for (int r = 0; r < R; ++r) g[r] = u[r] = _mm512_setzero_ps();                      \
-        const uint32_t *pairs = (const uint32_t *)x;                                        \
+        __m512 acc[R][2]; /* [row][gate, up] */                                             \
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();            \
         for (int64_t kp = 0; kp < k / 2; ++kp) {                                            \
             if (pf) {                                                                       \
                 _mm_prefetch((const char *)(pf + kp * 64), LIN_PREFETCH);                    \
                 _mm_prefetch((const char *)(pf + kp * 64 + 32), LIN_PREFETCH);               \
             }                                                                               \
-            __m512bh wg = (__m512bh)_mm512_loadu_si512(tile + kp * 64);                     \
-            __m512bh wu = (__m512bh)_mm512_loadu_si512(tile + kp * 64 + 32);                \
+            LIN_W_DECL(2);                                                                  \
+            LIN_W_LOAD(0, tile + kp * 64);                                                  \
+            LIN_W_LOAD(1, tile + kp * 64 + 32);                                             \
             for (int r = 0; r < R; ++r) {                                                   \
-                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pairs[r * (k / 2) + kp]);    \
-                g[r] = _mm512_dpbf16_ps(g[r], xb, wg);                                      \
-                u[r] = _mm512_dpbf16_ps(u[r], xb, wu);                                      \
+                LIN_X_DECL;                                                                 \
+                LIN_X_LOAD(x, k, r, kp);                                                    \
+                LIN_DOT(acc[r][0], 0);                                                      \
+                LIN_DOT(acc[r][1], 1);                                                      \
             }                                                                               \
         }                                                                                   \
         for (int r = 0; r < R; ++r)                                                         \
-            gu_finish(g[r], u[r], y + r * (act ? inter : 2 * inter), inter, f0, bias, act);  \
+            gu_finish(acc[r][0], acc[r][1], y + r * (act ? inter : 2 * inter), inter, f0,   \
+                      bias, act);                                                           \
     }
 GU_KERNEL(1) GU_KERNEL(2) GU_KERNEL(3) GU_KERNEL(4)
 GU_KERNEL(5) GU_KERNEL(6) GU_KERNEL(7) GU_KERNEL(8)
-typedef void (*gu_fn)(const bf16 *, int64_t, const bf16 *, bf16 *, int64_t, int64_t,
+typedef void (*gu_fn)(const lin_x *, int64_t, const bf16 *, bf16 *, int64_t, int64_t,
                       const float *, int, const bf16 *);
 static const gu_fn GU[8] = {gu_1, gu_2, gu_3, gu_4, gu_5, gu_6, gu_7, gu_8};
 #endif
 
-#if defined(HP_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(HP_NATIVE_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HP_AMX 1
 #include "amx_tiles.h"
 /*
@@ -723,12 +824,20 @@ static void amx_rows16(const bf16 *x, int64_t k, const bf16 *tile, int64_t width
 }
 #endif
 
-/* x [m, k] and y [m, n] contiguous; packed from hp_pack_linear; bias float32 or NULL. */
-void hp_linear(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t n,
-               const float *bias, bf16 *y) {
+/* x [m, k] and y [m, n] contiguous; packed from hp_pack_linear; bias float32 or NULL.
+ * Returns 0, or -2 when its buffer cannot be allocated (quant_ops' code). */
+int64_t hp_linear(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t n,
+                  const float *bias, bf16 *y) {
     int64_t tiles = (n + LIN_TILE - 1) / LIN_TILE;
+#ifdef HP_AVX512_BF16
+    float *buf = NULL;
+#endif
     for (int64_t m0 = 0; m0 < m; m0 += 256) {
         int64_t m1 = m0 + 256 < m ? m0 + 256 : m;
+#ifdef HP_AVX512_BF16
+        const lin_x *xs = lin_rows(x, m0, m1, k, &buf);
+        if (!xs) return -2;
+#endif
 #ifdef HP_AMX
         const int amx = lin_amx_usable(m1 - m0, k);
 #endif
@@ -754,7 +863,7 @@ void hp_linear(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t 
                         __m512 v = _mm512_loadu_ps(out[j] + 16 * r);
                         if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + 16 * j));
                         _mm256_storeu_si256((__m256i *)(y + (r_amx + r) * n + f0 + 16 * j),
-                                            (__m256i)_mm512_cvtneps_pbh(v));
+                                            to_bf16x16(v));
                     }
             }
 #endif
@@ -762,7 +871,8 @@ void hp_linear(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t 
                 int64_t rows = m1 - r0 < 8 ? m1 - r0 : 8;
                 const bf16 *pf =
                     r0 == m0 && t + 1 < tiles ? packed + (f0 + LIN_TILE) * k : NULL;
-                LIN[rows - 1][width / 16 - 1](x + r0 * k, k, tile, y + r0 * n + f0, n, b, pf);
+                LIN[rows - 1][width / 16 - 1](xs + (r0 - m0) * k, k, tile, y + r0 * n + f0, n,
+                                              b, pf);
             }
 #else
             /* Portable and slow (cpu_ops.py uses oneDNN instead where this would run). */
@@ -783,15 +893,26 @@ void hp_linear(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t 
 #endif
         }
     }
+#ifdef HP_AVX512_BF16
+    free(buf);
+#endif
+    return 0;
 }
 
 /* x [m, k] contiguous; packed from hp_pack_gate_up; bias float32 [2 inter] or NULL; y
  * [m, inter] (act) or [m, 2 inter]. */
-void hp_gate_up(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t inter,
-                const float *bias, int act, bf16 *y) {
+int64_t hp_gate_up(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t inter,
+                   const float *bias, int act, bf16 *y) {
     int64_t tiles = inter / 16, width = act ? inter : 2 * inter;
+#ifdef HP_AVX512_BF16
+    float *buf = NULL;
+#endif
     for (int64_t m0 = 0; m0 < m; m0 += 256) {
         int64_t m1 = m0 + 256 < m ? m0 + 256 : m;
+#ifdef HP_AVX512_BF16
+        const lin_x *xs = lin_rows(x, m0, m1, k, &buf);
+        if (!xs) return -2;
+#endif
 #ifdef HP_AMX
         const int amx = lin_amx_usable(m1 - m0, k);
 #endif
@@ -818,7 +939,8 @@ void hp_gate_up(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t
             for (int64_t r0 = r_amx; r0 < m1; r0 += 8) {
                 int64_t rows = m1 - r0 < 8 ? m1 - r0 : 8;
                 const bf16 *pf = r0 == m0 && t + 1 < tiles ? tile + 32 * k : NULL;
-                GU[rows - 1](x + r0 * k, k, tile, y + r0 * width, inter, f0, bias, act, pf);
+                GU[rows - 1](xs + (r0 - m0) * k, k, tile, y + r0 * width, inter, f0, bias, act,
+                             pf);
             }
 #else
             for (int64_t r = m0; r < m1; ++r)
@@ -853,6 +975,10 @@ void hp_gate_up(const bf16 *x, int64_t m, int64_t k, const bf16 *packed, int64_t
 #endif
         }
     }
+#ifdef HP_AVX512_BF16
+    free(buf);
+#endif
+    return 0;
 }
 
 /*

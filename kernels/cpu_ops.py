@@ -81,11 +81,15 @@ def _cpu_fingerprint() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def build(directory: Path | None = None, march: str = "native") -> Path:
+def build(
+    directory: Path | None = None, march: str = "native", extra: tuple[str, ...] = ()
+) -> Path:
     """Compile ``cpu_ops.c`` unless a build for this source, compiler and CPU exists; returns
-    the library's path. Raises RuntimeError with the compiler's message when it fails."""
+    the library's path. Raises RuntimeError with the compiler's message when it fails.
+    Another ``march``, or ``extra`` flags (``-mno-avx512bf16``), build the paths that other
+    CPUs take: tests compare them."""
     compiler = os.environ.get("CC", "cc")
-    flags = (f"-march={march}", *FLAGS)  # another -march: tests build the portable paths
+    flags = (f"-march={march}", *extra, *FLAGS)
     included = [SOURCE.with_name(name).read_bytes() for name in INCLUDED]
     parts = [SOURCE.read_bytes(), *included, " ".join(flags), compiler, _cpu_fingerprint()]
     digest = hashlib.sha256()
@@ -134,13 +138,18 @@ class CpuOps:
         lib.hp_run_program.restype = ctypes.c_int64
         lib.hp_op_size.argtypes = ()
         lib.hp_op_size.restype = ctypes.c_int64
-        lib.hp_avx512_bf16.argtypes = ()
-        lib.hp_avx512_bf16.restype = ctypes.c_int
+        lib.hp_linear.restype = ctypes.c_int64
+        lib.hp_gate_up.restype = ctypes.c_int64
+        for probe in (lib.hp_avx512, lib.hp_native_bf16):
+            probe.argtypes = ()
+            probe.restype = ctypes.c_int
         self._lib = lib
-        # Whether the AVX-512 BF16 paths are built (where -march=native has them): paged
+        # Whether the AVX-512 paths are built (where -march=native has AVX-512F): paged
         # decode's for block sizes in 16s, head dims 64 and 128 and groups up to 8, and the
-        # linear kernel.
-        self.avx512_bf16 = bool(lib.hp_avx512_bf16())
+        # linear kernels. Their bf16 dot products are vdpbf16ps with AVX-512 BF16
+        # (native_bf16), else float32 FMAs computing the same sums.
+        self.avx512 = bool(lib.hp_avx512())
+        self.native_bf16 = bool(lib.hp_native_bf16())
 
     def add_rms_norm(
         self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -330,9 +339,9 @@ class CpuOps:
         return (load, ())
 
     def linear_supported(self, out_features: int, in_features: int) -> bool:
-        """Whether :meth:`linear` serves this shape faster than oneDNN: with AVX-512 BF16
+        """Whether :meth:`linear` serves this shape faster than oneDNN: with AVX-512
         (elsewhere it runs, slowly, in portable C), n in 16s and k even (see cpu_ops.c)."""
-        return self.avx512_bf16 and out_features % 16 == 0 and in_features % 2 == 0
+        return self.avx512 and out_features % 16 == 0 and in_features % 2 == 0
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` ``[n, k]`` in :meth:`linear`'s tiled layout (a new tensor, same size)."""
@@ -351,10 +360,11 @@ class CpuOps:
         weight packed by :meth:`pack_linear`; ``bias`` float32 ``[n]`` or None."""
         x, n, k = _linear_inputs(x, packed, bias)
         y = x.new_empty(x.shape[0], n)
-        self._lib.hp_linear(
+        code = self._lib.hp_linear(
             x.data_ptr(), x.shape[0], k, packed.data_ptr(), n,
             None if bias is None else bias.data_ptr(), y.data_ptr(),
         )  # fmt: skip
+        _check_memory(code, "hp_linear")
         return y
 
     def pack_gate_up(self, weight: torch.Tensor) -> torch.Tensor:
@@ -376,10 +386,11 @@ class CpuOps:
         output), else the plain ``[m, 2 I]``."""
         x, n, k = _linear_inputs(x, packed, bias)
         y = x.new_empty(x.shape[0], n // 2 if act else n)
-        self._lib.hp_gate_up(
+        code = self._lib.hp_gate_up(
             x.data_ptr(), x.shape[0], k, packed.data_ptr(), n // 2,
             None if bias is None else bias.data_ptr(), int(act), y.data_ptr(),
         )  # fmt: skip
+        _check_memory(code, "hp_gate_up")
         return y
 
     def softmax_t(self, x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -505,6 +516,12 @@ def _f32_column(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
     if t.dtype != torch.float32 or t.device.type != "cpu" or t.numel() != rows:
         raise ValueError(f"{name} must hold {rows} float32 CPU values, got {t.dtype} {t.shape}")
     return t.reshape(rows).contiguous()
+
+
+def _check_memory(code: int, kernel: str) -> None:
+    """A kernel's -2: its buffers could not be allocated (the same code as quant_ops')."""
+    if code == -2:
+        raise MemoryError(f"{kernel}: out of memory for the kernel's buffers")
 
 
 def _linear_inputs(

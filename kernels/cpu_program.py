@@ -33,7 +33,6 @@ Recording runs where the calls can be replayed exactly: Linux on x86-64 or AArch
 from __future__ import annotations
 
 import ctypes
-import logging
 import platform
 import threading
 from collections.abc import Callable, Iterator
@@ -45,8 +44,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hotpool.kernels import cpu_ops, quant_ops
-
-log = logging.getLogger(__name__)
 
 MAX_INTS = 20  # cpu_program.c's HP_PROGRAM_INTS
 MAX_FLOATS = 2
@@ -126,8 +123,8 @@ class KernelProgram:
             call, code = self.calls[failed], self._code.value
             if call.name == "hp_embed":
                 raise IndexError(f"{code} token id(s) outside the vocabulary")
-            if call.name == "hq_linear" and code == -2:
-                raise MemoryError("quant_ops: out of memory for the kernel's buffers")
+            if code == -2:  # hq_linear's, hp_linear's and hp_gate_up's
+                raise MemoryError(f"{call.name}: out of memory for the kernel's buffers")
             raise RuntimeError(f"kernel {call.name} failed with code {code}")
 
 
@@ -195,7 +192,7 @@ class ProgramRecorder:
             return
         schema = func._schema
         writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-        inputs = {_storage(t) for t in _tensors(args)}
+        inputs = {s for t in _tensors(args) if (s := _storage(t)) is not None}
         outputs = list(_tensors(out))
         if not writes and outputs and all(_storage(t) in inputs for t in outputs):
             return  # a view: no computation
@@ -248,8 +245,15 @@ def _recording(recorder: ProgramRecorder) -> Iterator[None]:
             holder._lib = lib
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage; None for a tensor that has none to show (oneDNN's
+    opaque packed weights), whose op is then never taken for a view."""
+    if t.is_mkldnn:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

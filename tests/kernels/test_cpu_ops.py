@@ -352,12 +352,39 @@ def test_native_kernels_apply_a_window_on_both_prefill_routes_and_in_decode(
     torch.testing.assert_close(last.double(), ref[-1:], rtol=2 * BF16_STEP, atol=2e-3)
 
 
-def test_the_vector_decode_path_is_built_where_the_cpu_has_avx512_bf16(
-    ops: cpu_ops.CpuOps,
-) -> None:
+def test_the_vector_paths_are_built_where_the_cpu_has_avx512(ops: cpu_ops.CpuOps) -> None:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    has = " avx512_bf16" in flags and " avx512f" in flags
-    assert ops.avx512_bf16 == has  # -march=native: the build follows the host CPU
+    has = " avx512f" in flags
+    assert ops.avx512 == has  # -march=native: the build follows the host CPU
+    assert ops.native_bf16 == (has and " avx512_bf16" in flags)
+
+
+def test_avx512_without_bf16_computes_the_native_sums(ops: cpu_ops.CpuOps, tmp_path: Path) -> None:
+    """The AVX-512 paths built without AVX-512 BF16 (Skylake-SP to Ice Lake servers) do each
+    bf16 dot product as two float32 FMAs: the sums vdpbf16ps makes, bit for bit (no
+    denormals here), for the linear, the gate/up projection and paged decode."""
+    if not ops.avx512:
+        pytest.skip("this CPU has no AVX-512: cpu_ops builds its portable paths")
+    fma = cpu_ops.CpuOps(cpu_ops.build(tmp_path, extra=("-mno-avx512bf16",)))
+    assert fma.avx512 and not fma.native_bf16
+    gen = torch.Generator().manual_seed(5)
+    for m in (1, 7, 300):
+        x, w = _bf16(m, 96, gen=gen), _bf16(48 + 32, 96, gen=gen, scale=0.2)
+        b = torch.randn(80, generator=gen)
+        assert torch.equal(
+            fma.linear(x, fma.pack_linear(w), b), ops.linear(x, ops.pack_linear(w), b)
+        )
+        for act in (False, True):
+            got = fma.gate_up(x, fma.pack_gate_up(w[:64]), b[:64], act=act)
+            assert torch.equal(got, ops.gate_up(x, ops.pack_gate_up(w[:64]), b[:64], act=act))
+    for lens, heads, kv in (([1, 17, 48], 6, 2), ([5, 160], 9, 3)):
+        q, k_cache, v_cache, tables, seq_lens = _paged_case(lens, heads, kv, 16, gen)
+        ours = fma.paged_decode(q, k_cache, v_cache, tables, seq_lens)
+        assert torch.equal(ours, ops.paged_decode(q, k_cache, v_cache, tables, seq_lens))
+        ref = paged_decode(q.double(), k_cache.double(), v_cache.double(), tables, seq_lens)
+        torch.testing.assert_close(ours.double(), ref, rtol=2 * BF16_STEP, atol=2e-3)
+    nan = torch.full((1, 96), float("nan"), dtype=torch.bfloat16)
+    assert fma.linear(nan, fma.pack_linear(w), None).isnan().all()
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 33, 300])  # row tiles of 8, blocks of 256
@@ -381,11 +408,11 @@ def test_linear_is_float32_accumulation_rounded_once(
 @pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v3 is an x86 target"
 )
-def test_a_build_without_avx512_bf16_computes_the_same_functions(tmp_path: Path) -> None:
-    """The portable C that CPUs without AVX-512 BF16 run (AVX2 here): the linear kernel
+def test_a_build_without_avx512_computes_the_same_functions(tmp_path: Path) -> None:
+    """The portable C that CPUs without AVX-512 run (AVX2 here): the linear kernel
     (PackedLinear keeps oneDNN there, but the kernel stays correct) and paged decode."""
     portable = cpu_ops.CpuOps(cpu_ops.build(tmp_path, march="x86-64-v3"))
-    assert not portable.avx512_bf16 and not portable.linear_supported(96, 64)
+    assert not portable.avx512 and not portable.linear_supported(96, 64)
     gen = torch.Generator().manual_seed(11)
     x, w = _bf16(9, 64, gen=gen), _bf16(80, 64, gen=gen, scale=0.2)
     b = torch.randn(80, generator=gen)

@@ -20,7 +20,7 @@ from hotpool.worker.engine.base import EngineRequest
 from hotpool.worker.engine.decode_graphs import cpu_batch_sizes, graphs_wanted
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
 from hotpool.worker.models.llama import LlamaModel, ModelConfig
-from hotpool.worker.protocol import SamplingParams
+from hotpool.worker.protocol import SamplingParams, SpeculativeConfig
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(
@@ -137,6 +137,45 @@ def test_another_threads_kernel_calls_are_not_recorded() -> None:
     assert torch.equal(x, torch.full((2, 8), 4.0, dtype=torch.bfloat16))
 
 
+# Prompts that repeat themselves, so n-gram proposals are made and (mostly) accepted.
+LOOPY = [(5, 6, 7, 8, 9) * 6, (11, 12, 13) * 9 + (11,), (20, 21, 22, 23, 24, 25, 26) * 4]
+
+
+@pytest.mark.parametrize("k", [1, 4, 6])
+def test_speculative_steps_replay_and_keep_the_plain_greedy_tokens(k: int) -> None:
+    """A request verifying k proposals is k + 1 rows of one decode batch: such steps replay
+    the same programs as plain decodes, and greedy outputs stay those of plain decoding."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = _run(_engine(int8_tiny(), False, max_num_seqs=4), LOOPY, params)
+    spec = SpeculativeConfig(num_tokens=k, max_batch=0)
+    engine = _engine(int8_tiny(), None, max_num_seqs=4, speculative=spec)
+    assert _run(engine, LOOPY, params) == plain
+    stats = engine.stats()
+    assert stats.spec_proposed > 0 and stats.spec_accepted > 0
+    graphs = engine.decode_graphs
+    assert graphs is not None and graphs.program_failure is None
+    # Three requests, yet spans of k + 1 rows each: sizes past three were recorded.
+    assert max(graphs._programs) > len(LOOPY)
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_one_stream_verifies_its_proposals_in_programs() -> None:
+    """The sizes cover k + 1 rows a speculating request (max_num_seqs=1 alone would
+    record only size 1, and every verification would run eagerly), while the switch lets
+    max_batch requests speculate."""
+    spec = SpeculativeConfig(num_tokens=4)
+    engine = _engine(int8_tiny(), None, max_num_seqs=1, speculative=spec)
+    graphs = engine.decode_graphs
+    assert graphs is not None and graphs.sizes == (1, 2, 3, 4, 6)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = _run(_engine(int8_tiny(), False, max_num_seqs=1), LOOPY[:1], params)
+    assert _run(engine, LOOPY[:1], params) == plain
+    assert engine.stats().spec_accepted > 0
+    assert max(graphs._programs) > 1  # spans replayed
+    wide = _engine(int8_tiny(), None, max_num_seqs=16, speculative=spec)  # max_batch 4
+    assert wide.decode_graphs is not None and wide.decode_graphs.sizes[-1] == 24
+
+
 def test_cpu_sizes_pad_by_at_most_half() -> None:
     assert cpu_batch_sizes(1) == (1,)
     assert cpu_batch_sizes(5) == (1, 2, 3, 4, 6)
@@ -176,3 +215,14 @@ def test_quantized_deployments_compute_in_bf16_on_any_cpu_with_the_kernels() -> 
     assert default_dtype(CPU, "gguf") == torch.bfloat16
     dense = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert default_dtype(CPU) == dense == default_dtype(CPU, "none")
+
+
+def test_opaque_tensors_fail_the_recording_instead_of_raising() -> None:
+    """oneDNN's packed weights (a dense bf16 linear on a CPU whose bf16 is oneDNN's, not
+    hotpool's kernel) have no storage to look at: such an op is computation outside the
+    kernels, and the recording fails cleanly (it used to raise NotImplementedError)."""
+    x = torch.ones(4, 4)
+    with cpu_program.ProgramRecorder() as recorder:
+        dense = x.to_mkldnn().to_dense()
+    assert torch.equal(dense, x)
+    assert recorder.failure is not None and "to_mkldnn" in recorder.failure

@@ -74,12 +74,12 @@ def test_prepacked_bf16_linears_compute_what_plain_ones_do() -> None:
     plain = tiny_model(seed=2).to(torch.bfloat16)
     packed = copy.deepcopy(plain)
     assert pack_linears(packed) == 2 * 4 + 1  # four linears per layer, and the lm_head
-    # hotpool's kernel where the CPU has AVX-512 BF16 and the shape fits (features in 16s),
+    # hotpool's kernel where the CPU has AVX-512 and the shape fits (features in 16s),
     # oneDNN for the rest: the lm_head's 97 features.
     backends = {name: m.backend for name, m in packed.named_modules() if hasattr(m, "backend")}
     assert backends.pop("lm_head") == "onednn"
     ops = cpu_ops.load()
-    fast = ops is not None and ops.avx512_bf16
+    fast = ops is not None and ops.avx512
     assert set(backends.values()) == {"native" if fast else "onednn"}
     gate_up = [type(layer.feed_forward.w13).__name__ for layer in packed.layers]
     assert gate_up == ["PackedGateUp" if fast else "PackedLinear"] * len(packed.layers)

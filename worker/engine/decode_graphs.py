@@ -17,8 +17,11 @@ so does this module.
   KV writes land where no sequence reads. Their logits are dropped.
 - **What is captured.** The model's forward and the LM head (fp32 logits of every row).
   Sampling, grammar masks and logprobs run eagerly on the replayed logits, as before.
-  Steps with a prefill chunk or speculative proposals, and batches above the largest size,
-  run eagerly; so do mixture-of-experts models (their routing reads expert counts on the
+- **Speculative steps.** A request verifying ``k`` proposals is ``k + 1`` rows of the
+  batch, one per position, each attending to the keys up to its own (the model runner
+  builds them): verification replays the same graphs as plain decoding.
+- **Eager steps.** Steps with a prefill chunk, and batches of more rows than the largest
+  size, run eagerly; so do mixture-of-experts models (their routing reads expert counts on the
   host) and any model on the CPU unless asked (``capture=False``, below).
 - **Memory.** Graphs share one memory pool, captured largest first so the smaller ones
   reuse its blocks; each holds its logits output (``b x vocab`` fp32).

@@ -152,7 +152,7 @@ class LLMEngine(Engine):
             self.decode_graphs = DecodeGraphs(
                 model, self.kv_cache, self.runner.attention, self.runner.layer_group,
                 self.runner.num_groups, self.max_model_len, scratch_block=num_blocks,
-                sizes=sizes(config.max_num_seqs), capture=device.type == "cuda",
+                sizes=sizes(_decode_rows(config)), capture=device.type == "cuda",
                 programs=cpu, eager_replays=not auto,
             )  # fmt: skip
         self.spec = config.speculative
@@ -340,6 +340,17 @@ class LLMEngine(Engine):
             spec_accepted=self._spec_counts[1],
             spec_enabled=self.spec_switch is not None and self.spec_switch.on,
         )
+
+
+def _decode_rows(config: EngineConfig) -> int:
+    """The most rows a decode step holds: one per request, and with speculation ``k + 1`` per
+    verifying request (the model runner's spans), while the automatic switch lets at most
+    ``max_batch`` of them speculate (every one with ``max_batch=0``)."""
+    spec = config.speculative
+    if spec is None:
+        return config.max_num_seqs
+    speculating = config.max_num_seqs if spec.max_batch == 0 else spec.max_batch
+    return max(config.max_num_seqs, min(speculating, config.max_num_seqs) * (spec.num_tokens + 1))
 
 
 def _default_proposer(spec: SpeculativeConfig) -> Proposer:

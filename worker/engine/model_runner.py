@@ -72,15 +72,24 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepOutput:
         # A request verifying proposals is a span of several tokens, as a prefill chunk is.
+        if (replayed := self._graph_step(step.scheduled)) is not None:
+            graph_logits, first_rows = replayed
+            plain = [
+                (s, r)
+                for s, r in zip(step.scheduled, first_rows, strict=True)
+                if s.samples and not s.spec_token_ids
+            ]
+            specs = [
+                (s, r)
+                for s, r in zip(step.scheduled, first_rows, strict=True)
+                if s.samples and s.spec_token_ids
+            ]
+            if not plain and not specs:
+                return StepOutput({}, {})
+            return self._sampled(plain, specs, graph_logits)
         decodes = [s for s in step.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in step.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
-        if not prefills and (graph_logits := self._graph_step(decodes)) is not None:
-            rows = [i for i, s in enumerate(decodes) if s.samples]
-            if not rows:
-                return StepOutput({}, {})
-            logits = graph_logits if len(rows) == len(decodes) else graph_logits[rows]
-            return self._sampled([(decodes[r], i) for i, r in enumerate(rows)], [], logits)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[list[int]] = [[] for _ in range(self.num_groups)]  # per layer group
@@ -118,23 +127,37 @@ class ModelRunner:
             row += len(s.spec_token_ids) + 1
         return self._sampled(plain, specs, logits)
 
-    def _graph_step(self, decodes: list[ScheduledRequest]) -> torch.Tensor | None:
-        """The logits of every decode row, replayed from a captured graph; None where this
-        step runs eagerly (no graphs, proposals to verify, or a batch that does not fit)."""
+    def _graph_step(
+        self, scheduled: tuple[ScheduledRequest, ...]
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """The logits of a step replayed from a captured graph (or kernel program), with
+        each request's first row in them; None where this step runs eagerly (no graphs, a
+        prefill chunk, or more rows than the largest graph).
+
+        A request verifying ``k`` proposals is ``k + 1`` decode rows of one sequence: row
+        ``i`` is the token at ``start + i``, its KV written with the step's other rows before
+        any attention reads, attending to ``start + i + 1`` keys. That is the causal span the
+        eager step computes, so speculative steps replay as plain decode batches do."""
         graphs = self.graphs
-        if graphs is None or not decodes or any(s.spec_token_ids for s in decodes):
+        if graphs is None or not scheduled:
             return None
-        width = max(len(t) for s in decodes for t in s.group_block_ids)
-        if not graphs.fits(len(decodes), width):
+        if any(s.num_new_tokens != len(s.spec_token_ids) + 1 for s in scheduled):
+            return None
+        n = sum(s.num_new_tokens for s in scheduled)
+        width = max(len(t) for s in scheduled for t in s.group_block_ids)
+        if not graphs.fits(n, width):
             return None
         bs = self.kv.block_size
-        rows = []
-        for s in decodes:
-            pos = s.start
-            (token,) = _tokens(s.request, pos, pos + 1)
-            slots = tuple(t[pos // bs] * bs + pos % bs for t in s.group_block_ids)
-            rows.append(DecodeRow(token, pos, slots, tuple(s.group_block_ids)))
-        return graphs.run(rows)
+        rows: list[DecodeRow] = []
+        first_rows: list[int] = []
+        for s in scheduled:
+            first_rows.append(len(rows))
+            tables = tuple(s.group_block_ids)
+            (known,) = _tokens(s.request, s.start, s.start + 1)
+            for pos, token in enumerate((known, *s.spec_token_ids), start=s.start):
+                slots = tuple(t[pos // bs] * bs + pos % bs for t in tables)
+                rows.append(DecodeRow(token, pos, slots, tables))
+        return graphs.run(rows), first_rows
 
     def _sampled(
         self,

@@ -2,9 +2,11 @@
 
 ``F.linear`` on bf16 CPU tensors lets oneDNN reorder the weight into its blocked layout on
 every call; reordering once at load time is measured here at 2x faster for one row (decode
-of a single stream) and 20-30% faster at 32-64 rows. Where the CPU has AVX-512 BF16 and
-the shape allows, hotpool's own kernel (``kernels/cpu_ops.c``, ``hp_linear``) runs instead:
-1.2-2x faster than oneDNN's at 1-64 rows, level beyond (``benchmarks/bench_linear.py``);
+of a single stream) and 20-30% faster at 32-64 rows. Where the CPU has AVX-512 and the
+shape allows, hotpool's own kernel (``kernels/cpu_ops.c``, ``hp_linear``) runs instead
+(``benchmarks/bench_linear.py``, 2 cores): with AVX-512 BF16 (Zen 4) 1.2-2x oneDNN's at
+1-64 rows, level beyond; without it (an Ice Lake-class Xeon, float32 FMAs over widened
+bf16) 1.9x at one row, 2.7-4.3x at 8-2048, where oneDNN's own emulation is slow;
 the MLP's gate/up projection also applies its activation there (:class:`PackedGateUp`).
 Either way one packed copy of the weight is kept, the same size as the original.
 """
