@@ -132,10 +132,15 @@ def test_a_deployments_engine_options_reach_its_engine(
         await service.load(req)
         assert service.loaded is not None
         assert settled == [False]  # the new model's objects frozen, nothing thawed
-        kv = service.loaded.engine.engine.kv_cache
+        engine = service.loaded.engine.engine
+        kv = engine.kv_cache
         # The machine's default dtype: bf16 where the CPU has it natively, else fp32.
         per_block = kv.bytes_per_block(30, 16, 3, 64, kv.storage.dtype)
-        assert kv.num_blocks == (8 << 20) // per_block  # the deployment's budget, not 32m
+        pool = (8 << 20) // per_block  # the deployment's budget, not 32m
+        assert engine.kv_manager.num_blocks == pool
+        # Where decode steps replay (kernel programs, CUDA graphs), the padding rows' scratch
+        # block lies past the pool.
+        assert kv.num_blocks == pool + (engine.decode_graphs is not None)
         long = GenerateRequest("t", SamplingParams(max_tokens=4), prompt="word " * 40)
         with pytest.raises(Exception, match="maximum context length is 24"):
             [e async for e in service.generate(long)]

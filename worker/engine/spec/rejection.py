@@ -69,6 +69,18 @@ def verify(
     bad = _bad_positions(logits, allowed)
     if bad:
         raise NonFiniteLogitsError(bad)
+    return _verify_checked(logits, drafts, draft_probs, row, generator, allowed)
+
+
+def _verify_checked(
+    logits: torch.Tensor,
+    drafts: list[int],
+    draft_probs: torch.Tensor | None,
+    row: SamplingRow,
+    generator: torch.Generator | None,
+    allowed: torch.Tensor | None,
+) -> list[int]:
+    """``verify`` once the logits are known to hold a distribution at every position."""
     rows = _position_rows(row, drafts)
     masks = [None if allowed is None else allowed[j].cpu() for j in range(len(rows))]
     if row.greedy:
@@ -155,16 +167,11 @@ def verify_batch(
     start = 0
     for i, (row, gen) in enumerate(zip(rows, row_generators(rows), strict=True)):
         span = slice(start, start + spans[i])
-        out.append(
-            verify(
-                logits[span],
-                draft_tokens[i],
-                None if draft_probs is None else draft_probs[i],
-                row,
-                gen,
-                None if allowed is None else allowed[span],
-            )
-        )
+        drafts = _draft_list(draft_tokens[i])
+        probs = None if draft_probs is None else draft_probs[i]
+        mask = None if allowed is None else allowed[span]
+        _checked(logits[span], len(drafts), probs, mask, drafts)
+        out.append(_verify_checked(logits[span], drafts, probs, row, gen, mask))
         start += spans[i]
     return out
 
@@ -244,6 +251,10 @@ def _checked(
 def _bad_positions(logits: torch.Tensor, allowed: torch.Tensor | None) -> list[int]:
     """Positions without a distribution, by the sampler's rule: NaN or +inf anywhere, or no
     finite logit (among the allowed ones)."""
+    if allowed is None:
+        # One pass: a row's max is finite exactly when it holds no NaN (max propagates
+        # it), no +inf, and some finite logit.
+        return (~logits.amax(dim=1).isfinite()).nonzero().squeeze(1).tolist()
     bad = logits.isnan().any(dim=1) | logits.isposinf().any(dim=1)
     visible = logits if allowed is None else torch.where(allowed.cpu(), logits, float("-inf"))
     bad |= ~visible.isfinite().any(dim=1)
