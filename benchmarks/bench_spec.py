@@ -278,7 +278,15 @@ def make_engine(
     engine = LLMEngine(
         model,
         torch.device("cpu"),
-        EngineConfig(max_num_seqs=concurrency, kv_cache_bytes=kv, speculative=spec),
+        # No prefix caching: a prompt found cached computes only its tail, in other kernels,
+        # whose bf16 sums may tip a near tie later on; every run of a prompt must give the
+        # same tokens, or the check of speculation's exactness would test the cache instead.
+        EngineConfig(
+            max_num_seqs=concurrency,
+            kv_cache_bytes=kv,
+            speculative=spec,
+            enable_prefix_caching=False,
+        ),
     )
     engine.capture_decode_graphs()  # as the worker's cold start does (CPU: kernel programs)
     engine.kv_cache.populated.wait()  # a replica past its first second or two

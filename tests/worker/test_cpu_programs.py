@@ -172,6 +172,7 @@ def test_one_stream_verifies_its_proposals_in_programs() -> None:
     assert _run(engine, LOOPY[:1], params) == plain
     assert engine.stats().spec_accepted > 0
     assert max(graphs._programs) > 1  # spans replayed
+    assert not engine.spec_lengths.pauses  # rejected positions are cheap here
     wide = _engine(int8_tiny(), None, max_num_seqs=16, speculative=spec)  # max_batch 4
     assert wide.decode_graphs is not None and wide.decode_graphs.sizes[-1] == 24
 

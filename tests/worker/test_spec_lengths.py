@@ -45,3 +45,15 @@ def test_release_forgets_and_nothing_proposed_changes_nothing() -> None:
     assert lengths.next("a") == 4
     with pytest.raises(ValueError, match="max_tokens"):
         ProposalLengths(0)
+
+
+def test_without_pauses_a_rejected_request_keeps_guessing_one_token() -> None:
+    """Where verification replays (programs, CUDA graphs) a rejected position is cheap: a
+    request that stopped copying keeps proposing its one-token guesses."""
+    lengths = ProposalLengths(4)
+    lengths.pauses = False
+    for _ in range(5):
+        lengths.observe("a", lengths.next("a"), 0)
+        assert lengths.next("a") == 1
+    lengths.observe("a", 1, 1)
+    assert lengths.next("a") == 3

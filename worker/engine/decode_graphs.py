@@ -185,6 +185,12 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         self.replays = 0  # steps run through this runner (a metric for tests and benchmarks)
 
+    @property
+    def replayed(self) -> bool:
+        """Whether steps replay captured graphs or recorded programs (not the eager forward
+        over the buffers): each row then costs only its kernels' share."""
+        return self.capture_graphs or self.programs
+
     def fits(self, n: int, width: int) -> bool:
         """Whether ``n`` decodes whose longest block table has ``width`` blocks run here."""
         if self.program_failure is not None and not self.eager_replays:

@@ -288,6 +288,8 @@ class LLMEngine(Engine):
                         error=why,
                     )
                 )
+        # Rejected positions cost little where verification replays: no pauses there.
+        self.spec_lengths.pauses = not (self.runner.graphs and self.runner.graphs.replayed)
         for s in plan.scheduled:
             if s.spec_token_ids and s.request.request_id in sampled:
                 accepted = len(sampled[s.request.request_id]) - 1
