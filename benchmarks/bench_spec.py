@@ -20,6 +20,12 @@ Three parts:
 3. The crossover that sets ``DEFAULT_MAX_BATCH`` (``worker/protocol.py``):
    speculation always on (``max_batch=0``) against plain at each of ``--concurrency-levels``.
 
+Exactness is checked where the schedule is the same: single streams, without prefix caching
+(every run of a prompt, plain or speculative, must give the same tokens). Under load the
+two runs batch differently, and in bf16 a request's sums depend on its batch (plain alone
+gives the same prompt different greedy outputs at a near tie): parts 2 and 3 report how
+many outputs differ, beside plain's own count, and do not fail on them.
+
 Each engine runs a warm-up request first; each single-stream figure is the best of
 ``--repeats`` runs, plain and speculative alternating (a 2-core machine is noisy).
 
@@ -273,21 +279,19 @@ def kv_bytes(model: LlamaModel, concurrency: int, longest: int, max_tokens: int)
 
 
 def make_engine(
-    model: LlamaModel, concurrency: int, kv: int, spec: SpeculativeConfig | None
+    model: LlamaModel,
+    concurrency: int,
+    kv: int,
+    spec: SpeculativeConfig | None,
+    prefix_caching: bool = True,
 ) -> LLMEngine:
-    engine = LLMEngine(
-        model,
-        torch.device("cpu"),
-        # No prefix caching: a prompt found cached computes only its tail, in other kernels,
-        # whose bf16 sums may tip a near tie later on; every run of a prompt must give the
-        # same tokens, or the check of speculation's exactness would test the cache instead.
-        EngineConfig(
-            max_num_seqs=concurrency,
-            kv_cache_bytes=kv,
-            speculative=spec,
-            enable_prefix_caching=False,
-        ),
+    config = EngineConfig(
+        max_num_seqs=concurrency,
+        kv_cache_bytes=kv,
+        speculative=spec,
+        enable_prefix_caching=prefix_caching,
     )
+    engine = LLMEngine(model, torch.device("cpu"), config)
     engine.capture_decode_graphs()  # as the worker's cold start does (CPU: kernel programs)
     engine.kv_cache.populated.wait()  # a replica past its first second or two
     # Warm-up: a short grounded request (it speculates, too) runs every path once.
@@ -390,8 +394,13 @@ def single_stream(
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     longest = max(len(t.prompt) for t in tasks)
     kv = kv_bytes(model, 1, longest, args.max_tokens)
-    plain = make_engine(model, 1, kv, None)
-    spec = make_engine(model, 1, kv, SpeculativeConfig(num_tokens=args.num_tokens))
+    # No prefix caching here: a prompt found cached computes only its tail, in other
+    # kernels, whose bf16 sums may tip a near tie later on. Every run of a prompt then gives
+    # the same tokens, and the exactness check tests speculation, not the cache.
+    plain = make_engine(model, 1, kv, None, prefix_caching=False)
+    spec = make_engine(
+        model, 1, kv, SpeculativeConfig(num_tokens=args.num_tokens), prefix_caching=False
+    )
     header = (
         f"{'task':<10} {'prompt':>6} {'out':>4} | {'plain tok/s':>11} {'ms/step':>7} | "
         f"{'spec tok/s':>10} {'ms/step':>7} {'accept':>6} {'tok/step':>8} | "
@@ -412,29 +421,15 @@ def single_stream(
                 if name not in best or s.decode_rate > best[name].decode_rate:
                     best[name] = s
         p, s = best["plain"], best["spec"]
-        # Each speculative run must give the tokens of the plain run in the same cache state:
-        # run 0 prefills the whole prompt, later runs find its blocks in the prefix cache and
-        # compute only its tail, in other kernels (bf16 sums in another order may then tip a
-        # near tie, with or without speculation: noted, not a speculation mismatch).
+        # Every run of either engine must give the same tokens (the first plain run's).
         want = runs["plain"][0].tokens
-        bad = [
-            (i, x, y)
-            for i, (x, y) in enumerate(zip(runs["plain"], runs["spec"], strict=True))
-            if x.tokens != y.tokens
-        ]
+        bad = [(n, i, x) for n in runs for i, x in enumerate(runs[n]) if x.tokens != want]
         same = "yes" if not bad else "NO"
-        for i, x, y in bad:
-            at = first_difference(x.tokens, y.tokens)
+        for n, i, x in bad:
+            at = first_difference(want, x.tokens)
             mismatches.append(
-                f"{task.name}: spec run {i} differs from plain run {i} at token {at} "
-                f"({len(y.tokens)} vs {len(x.tokens)} tokens)"
-            )
-        cached = [i for i, x in enumerate(runs["plain"][1:], 1) if x.tokens != want]
-        if cached:
-            at = first_difference(want, runs["plain"][cached[0]].tokens)
-            print(
-                f"   ({task.name}: its prompt prefix-cached, plain run(s) {cached} part from "
-                f"run 0 at token {at})"
+                f"{task.name}: {n} run {i} differs from plain run 0 at token {at} "
+                f"({len(x.tokens)} vs {len(want)} tokens)"
             )
         ratios[task.name] = s.decode_rate / p.decode_rate
         accept = s.accepted / s.proposed if s.proposed else math.nan
@@ -476,12 +471,20 @@ def under_load(
     return out[0], out[1]
 
 
-def load_mismatches(plain: Load, spec: Load, where: str) -> list[str]:
-    return [
-        f"{where}: request {i} differs at token {first_difference(plain.outputs[i], toks)}"
-        for i, toks in spec.outputs.items()
-        if toks != plain.outputs[i]
-    ]
+def load_drift(plain: Load, spec: Load, prompts: int) -> str:
+    """Under load the two runs batch differently (speculation changes when requests finish
+    and others join), and a request's bf16 sums depend on its batch: the same prompt can
+    part at a near tie. So this is reported, not checked (part 1 checks exactness): how
+    many speculative outputs differ from plain's for the same request, beside how many of
+    plain's own differ from its first output for the same prompt."""
+    n = len(spec.outputs)
+    differ = sum(toks != plain.outputs[i] for i, toks in spec.outputs.items())
+    first = {i % prompts: plain.outputs[i] for i in sorted(plain.outputs, reverse=True)}
+    own = sum(toks != first[i % prompts] for i, toks in plain.outputs.items())
+    return (
+        f"spec differs from plain in {differ}/{n} requests; plain alone gives {own}/{n} "
+        "another output than its first request with the same prompt"
+    )
 
 
 def main() -> int:
@@ -582,7 +585,7 @@ def main() -> int:
         f"{spec.accepted} accepted ({accept:.2f})",
         flush=True,
     )
-    mismatches += load_mismatches(plain, spec, f"c={LOAD_CONCURRENCY}")
+    print(f"   outputs (batch-dependent in bf16): {load_drift(plain, spec, len(tasks))}")
 
     if args.sweep:
         always = SpeculativeConfig(num_tokens=args.num_tokens, max_batch=0)
@@ -595,6 +598,7 @@ def main() -> int:
         header += f"{'accept':>6} | {'ratio':>5}"
         print(header)
         print("-" * len(header), flush=True)
+        drift: list[str] = []
         for c in levels:
             p, s = under_load(model, tok, tasks, args, always, c, 2 * c)
             acc = s.accepted / s.proposed if s.proposed else math.nan
@@ -603,7 +607,8 @@ def main() -> int:
                 f"{s.rate / p.rate:>5.2f}",
                 flush=True,
             )
-            mismatches += load_mismatches(p, s, f"sweep c={c}")
+            drift.append(f"c={c}: {load_drift(p, s, len(tasks))}")
+        print("outputs (batch-dependent in bf16):\n" + "\n".join(f"  {d}" for d in drift))
 
     print("\ntargets")
     geo = math.exp(sum(map(math.log, ratios.values())) / len(ratios))
@@ -618,7 +623,7 @@ def main() -> int:
         for m in mismatches:
             print(f"      {m}")
         return 1
-    print("  greedy equality (speculative output == plain, every request): PASS")
+    print("  greedy equality (single streams: speculative output == plain, every run): PASS")
     return 0
 
 
