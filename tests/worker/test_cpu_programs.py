@@ -177,6 +177,25 @@ def test_one_stream_verifies_its_proposals_in_programs() -> None:
     assert wide.decode_graphs is not None and wide.decode_graphs.sizes[-1] == 24
 
 
+def test_a_draft_models_steps_replay_programs_too() -> None:
+    """The target's capture captures its draft's engine: the draft's k greedy steps a
+    verification replay recorded programs, and the target's output stays plain's."""
+    from hotpool.worker.engine.spec.draft import DraftModelProposer
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = _run(_engine(int8_tiny(), False, max_num_seqs=2), LOOPY[:2], params)
+    draft = DraftModelProposer(int8_tiny(), CPU, kv_cache_bytes=1 << 20, max_num_seqs=2)
+    spec = SpeculativeConfig(method="draft", draft_snapshot="tiny", max_batch=0)
+    config = EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=2, speculative=spec)
+    engine = LLMEngine(int8_tiny(), CPU, config, proposer=draft)
+    engine.capture_decode_graphs()
+    assert _run(engine, LOOPY[:2], params) == plain
+    assert engine.stats().spec_accepted > 0  # the draft is the target itself
+    drafting = draft.engine.decode_graphs
+    assert drafting is not None and drafting.program_failure is None
+    assert drafting.replays > 0 and drafting._programs
+
+
 def test_cpu_sizes_pad_by_at_most_half() -> None:
     assert cpu_batch_sizes(1) == (1,)
     assert cpu_batch_sizes(5) == (1, 2, 3, 4, 6)

@@ -172,11 +172,12 @@ class LLMEngine(Engine):
 
     def capture_decode_graphs(self) -> float:
         """Capture the decode graphs (the cold start's warm-up calls it, after a first
-        request has compiled the kernels); the seconds it took, 0 without graphs. Decode
-        steps replay them from then on."""
+        request has compiled the kernels), and a draft model's; the seconds it took, 0
+        without graphs. Decode steps replay them from then on."""
+        seconds = 0.0 if self.proposer is None else self.proposer.capture_decode_graphs()
         if self.decode_graphs is None:
-            return 0.0
-        seconds = self.decode_graphs.capture()
+            return seconds
+        seconds += self.decode_graphs.capture()
         self.runner.graphs = self.decode_graphs
         return seconds
 

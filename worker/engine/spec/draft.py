@@ -92,3 +92,7 @@ class DraftModelProposer(Proposer):
     def release(self, request_id: str) -> None:
         # Nothing per request outlives a step; the prefix cache forgets by eviction.
         return None
+
+    def capture_decode_graphs(self) -> float:
+        """The draft's k greedy steps a verification replay as the target's decodes do."""
+        return self.engine.capture_decode_graphs()

@@ -65,3 +65,8 @@ class Proposer(ABC):
     @abstractmethod
     def release(self, request_id: str) -> None:
         """Forget the request's state."""
+
+    def capture_decode_graphs(self) -> float:
+        """Capture whatever the proposer replays (a draft model's decode graphs or kernel
+        programs), when the target's engine captures its own; the seconds it took."""
+        return 0.0
