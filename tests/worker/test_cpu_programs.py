@@ -19,6 +19,7 @@ from hotpool.kernels.quant_weight import Int8Weight, quantize_int8
 from hotpool.worker.engine.base import EngineRequest
 from hotpool.worker.engine.decode_graphs import cpu_batch_sizes, graphs_wanted
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
+from hotpool.worker.engine.spec.lengths import CHEAP_ROW
 from hotpool.worker.models.llama import LlamaModel, ModelConfig
 from hotpool.worker.protocol import SamplingParams, SpeculativeConfig
 
@@ -172,7 +173,10 @@ def test_one_stream_verifies_its_proposals_in_programs() -> None:
     assert _run(engine, LOOPY[:1], params) == plain
     assert engine.stats().spec_accepted > 0
     assert max(graphs._programs) > 1  # spans replayed
-    assert not engine.spec_lengths.pauses  # rejected positions are cheap here
+    # Rejected requests pause unless a row is measured cheap (spec/lengths.py).
+    cost = graphs.row_cost()
+    assert cost is not None and cost >= 0.0
+    assert engine.spec_lengths.pauses == (cost > CHEAP_ROW)
     wide = _engine(int8_tiny(), None, max_num_seqs=16, speculative=spec)  # max_batch 4
     assert wide.decode_graphs is not None and wide.decode_graphs.sizes[-1] == 24
 
@@ -194,6 +198,17 @@ def test_a_draft_models_steps_replay_programs_too() -> None:
     drafting = draft.engine.decode_graphs
     assert drafting is not None and drafting.program_failure is None
     assert drafting.replays > 0 and drafting._programs
+
+
+def test_row_cost_is_the_measured_share_of_a_one_row_step_a_row() -> None:
+    graphs = _engine(int8_tiny(), None, max_num_seqs=8).decode_graphs
+    assert graphs is not None and graphs.row_cost() is None  # nothing replayed yet
+    graphs._seconds = {1: 0.010}
+    assert graphs.row_cost() is None
+    graphs._seconds = {1: 0.010, 4: 0.016, 8: 0.040}
+    assert graphs.row_cost() == pytest.approx(0.2)  # (16 - 10) / (3 rows x 10)
+    graphs._seconds = {1: 0.010, 2: 0.009}
+    assert graphs.row_cost() == 0.0
 
 
 def test_cpu_sizes_pad_by_at_most_half() -> None:

@@ -33,7 +33,7 @@ from hotpool.worker.engine.kv_groups import kv_cache_groups
 from hotpool.worker.engine.model_runner import ModelRunner
 from hotpool.worker.engine.request import Request
 from hotpool.worker.engine.scheduler import Scheduler, SchedulerConfig
-from hotpool.worker.engine.spec.lengths import ProposalLengths
+from hotpool.worker.engine.spec.lengths import CHEAP_ROW, ProposalLengths
 from hotpool.worker.engine.spec.proposer import ProposalInput, Proposer
 from hotpool.worker.engine.spec.switch import SpecSwitch
 from hotpool.worker.models.attention import PagedKVCache
@@ -181,6 +181,17 @@ class LLMEngine(Engine):
         self.runner.graphs = self.decode_graphs
         return seconds
 
+    def _cheap_rows(self) -> bool:
+        """Whether a rejected proposal costs little (``spec.lengths``): CUDA graphs, or
+        kernel programs measured at most ``CHEAP_ROW`` of a step a row."""
+        graphs = self.runner.graphs
+        if graphs is None or not graphs.replayed:
+            return False
+        if graphs.capture_graphs:
+            return True
+        cost = graphs.row_cost()
+        return cost is not None and cost <= CHEAP_ROW
+
     def add_request(self, request: EngineRequest) -> None:
         n = len(request.prompt_token_ids)
         try:
@@ -289,8 +300,7 @@ class LLMEngine(Engine):
                         error=why,
                     )
                 )
-        # Rejected positions cost little where verification replays: no pauses there.
-        self.spec_lengths.pauses = not (self.runner.graphs and self.runner.graphs.replayed)
+        self.spec_lengths.pauses = not self._cheap_rows()
         for s in plan.scheduled:
             if s.spec_token_ids and s.request.request_id in sampled:
                 accepted = len(sampled[s.request.request_id]) - 1
