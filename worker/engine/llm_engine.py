@@ -300,7 +300,8 @@ class LLMEngine(Engine):
                         error=why,
                     )
                 )
-        self.spec_lengths.pauses = not self._cheap_rows()
+        if any(s.spec_token_ids for s in plan.scheduled):
+            self.spec_lengths.pauses = not self._cheap_rows()
         for s in plan.scheduled:
             if s.spec_token_ids and s.request.request_id in sampled:
                 accepted = len(sampled[s.request.request_id]) - 1

@@ -71,22 +71,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepOutput:
-        # A request verifying proposals is a span of several tokens, as a prefill chunk is.
         if (replayed := self._graph_step(step.scheduled)) is not None:
             graph_logits, first_rows = replayed
-            plain = [
-                (s, r)
-                for s, r in zip(step.scheduled, first_rows, strict=True)
-                if s.samples and not s.spec_token_ids
-            ]
-            specs = [
-                (s, r)
-                for s, r in zip(step.scheduled, first_rows, strict=True)
-                if s.samples and s.spec_token_ids
-            ]
+            plain: list[tuple[ScheduledRequest, int]] = []
+            specs: list[tuple[ScheduledRequest, int]] = []
+            for s, r in zip(step.scheduled, first_rows, strict=True):
+                if s.samples:
+                    (specs if s.spec_token_ids else plain).append((s, r))
             if not plain and not specs:
                 return StepOutput({}, {})
             return self._sampled(plain, specs, graph_logits)
+        # Eagerly, a request verifying proposals is a span of several tokens, as a prefill
+        # chunk is.
         decodes = [s for s in step.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in step.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
@@ -119,8 +115,7 @@ class ModelRunner:
         if not samplers:
             return StepOutput({}, {})
         logits = self.model.logits(hidden[torch.tensor(sample_rows, device=dev)])
-        plain: list[tuple[ScheduledRequest, int]] = []  # (request, its logits row)
-        specs: list[tuple[ScheduledRequest, int]] = []  # (request, its first logits row)
+        plain, specs = [], []  # (request, its logits row), (request, its first logits row)
         row = 0
         for s in samplers:
             (specs if s.spec_token_ids else plain).append((s, row))

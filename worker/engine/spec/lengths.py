@@ -9,9 +9,9 @@ without speculation. The rule here, per request, after each verification:
 - all ``a`` proposals accepted: propose ``min(k_max, a + 2)`` next time (grow quickly
   while the text is being copied);
 - ``m < a`` accepted: propose ``m + 1`` next time (about what the last try sustained);
-- none accepted: as above, and, where verification runs eagerly (``pauses``), also stop
-  proposing for a while, twice as long after each fully rejected try in a row (1, 2, 4, ...
-  up to ``MAX_PAUSE`` steps); one accepted token ends the pauses.
+- none accepted: as above, and, unless a position more costs little (``pauses``, below),
+  also stop proposing for a while, twice as long after each fully rejected try in a row
+  (1, 2, 4, ... up to ``MAX_PAUSE`` steps); one accepted token ends the pauses.
 
 Where a position more costs little (the engine clears ``pauses``: CUDA graphs, or kernel
 programs whose measured ``row_cost`` is at most ``CHEAP_ROW``), nobody pauses. SmolLM2-135M

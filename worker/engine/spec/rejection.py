@@ -256,6 +256,6 @@ def _bad_positions(logits: torch.Tensor, allowed: torch.Tensor | None) -> list[i
         # it), no +inf, and some finite logit.
         return (~logits.amax(dim=1).isfinite()).nonzero().squeeze(1).tolist()
     bad = logits.isnan().any(dim=1) | logits.isposinf().any(dim=1)
-    visible = logits if allowed is None else torch.where(allowed.cpu(), logits, float("-inf"))
+    visible = torch.where(allowed.cpu(), logits, float("-inf"))
     bad |= ~visible.isfinite().any(dim=1)
     return bad.nonzero().squeeze(1).tolist()
