@@ -1006,6 +1006,42 @@ static float row_max(const float *xr, int64_t v, int *nan) {
     return m;
 }
 
+/*
+ * Greedy picks straight from the model's logits: out[i] = the first index of the largest
+ * value of row rows[i] of x ([*, ld] float32, or bfloat16 when x_bf16), as torch.argmax
+ * picks, or -1 where the row has no distribution: a NaN or +inf in it, or every value -inf
+ * (the torch sampler's rule). Returns how many rows got -1. No float copy of the logits,
+ * no gather: a greedy CPU step's sampling is two passes over its rows.
+ */
+int64_t hp_greedy(const void *x, int x_bf16, int64_t ld, const int64_t *rows, int64_t n,
+                  int64_t v, int64_t *out) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        float m = -INFINITY;
+        int nan = 0;
+        int64_t best = -1;
+        if (x_bf16) {
+            const bf16 *xr = (const bf16 *)x + rows[i] * ld;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+            for (int64_t j = 0; j < v; ++j) {
+                const float f = bf2f(xr[j]);
+                m = f > m ? f : m;
+                nan |= f != f;
+            }
+            if (!nan && m != INFINITY && m != -INFINITY)
+                for (best = 0; bf2f(xr[best]) != m; ++best) {}
+        } else {
+            const float *xr = (const float *)x + rows[i] * ld;
+            m = row_max(xr, v, &nan);
+            if (!nan && m != INFINITY && m != -INFINITY)
+                for (best = 0; xr[best] != m; ++best) {}
+        }
+        out[i] = best;
+        bad += best < 0;
+    }
+    return bad;
+}
+
 /* w = exp((x - m) * inv_t), 0 where that is below min_p (or its argument below -87.3: -inf
  * logits weigh exactly 0); returns the sum, taken as float sums of SUM_BLOCK terms
  * (vectorised) added up in double, each block's kept in bsum when it is not NULL. One float

@@ -59,6 +59,7 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "hp_gate_up": (_P, _I, _I, _P, _I, _P, ctypes.c_int, _P),
     "hp_softmax_t": (_P, _I, _I, _P, _P),
     "hp_sum_above": (_P, _I, _I, _P, _P),
+    "hp_greedy": (_P, ctypes.c_int, _I, _P, _I, _I, _P),
     "hp_sample": (_P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P),
 }
 
@@ -134,6 +135,7 @@ class CpuOps:
             fn.argtypes = args
             fn.restype = None  # hp_sample's is set below
         lib.hp_sample.restype = ctypes.c_int64
+        lib.hp_greedy.restype = ctypes.c_int64
         lib.hp_embed.restype = ctypes.c_int64
         lib.hp_run_program.restype = ctypes.c_int64
         lib.hp_op_size.argtypes = ()
@@ -410,6 +412,31 @@ class CpuOps:
         p = _f32_column(pivot, w.shape[0], "pivot")
         out = w.new_empty(w.shape[0], 1)
         self._lib.hp_sum_above(w.data_ptr(), w.shape[0], w.shape[1], p.data_ptr(), out.data_ptr())
+        return out
+
+    def greedy(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The greedy token of each row ``rows`` (int64 indices) of ``logits`` ``[R, V]``
+        (float32 or bfloat16, rows contiguous): the first index of the row's largest
+        value, as ``torch.argmax`` picks, or -1 for a row with a NaN or +inf, or with every
+        logit -inf. int64 ``[len(rows)]``."""
+        if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"logits must be [R, V] float32 or bfloat16, got {logits.dtype}")
+        if logits.shape[1] == 0 or logits.stride(1) != 1:
+            raise ValueError(f"logits {tuple(logits.shape)} need V > 0 and contiguous rows")
+        if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
+            raise ValueError("rows must be a contiguous int64 vector")
+        if len(rows) and not (int(rows.min()) >= 0 and int(rows.max()) < logits.shape[0]):
+            raise ValueError(f"rows must index the {logits.shape[0]} rows of logits")
+        out = torch.empty(len(rows), dtype=torch.int64)
+        self._lib.hp_greedy(
+            logits.data_ptr(),
+            int(logits.dtype == torch.bfloat16),
+            logits.stride(0),
+            rows.data_ptr(),
+            len(rows),
+            logits.shape[1],
+            out.data_ptr(),
+        )
         return out
 
     def sample(

@@ -367,6 +367,11 @@ def test_avx512_without_bf16_computes_the_native_sums(ops: cpu_ops.CpuOps, tmp_p
         pytest.skip("this CPU has no AVX-512: cpu_ops builds its portable paths")
     fma = cpu_ops.CpuOps(cpu_ops.build(tmp_path, extra=("-mno-avx512bf16",)))
     assert fma.avx512 and not fma.native_bf16
+    # vdpbf16ps's sums: where the host has them, its build without AMX tiles (which sum
+    # 16-row blocks in another order) is the reference; elsewhere both builds emulate.
+    if ops.native_bf16:
+        ops = cpu_ops.CpuOps(cpu_ops.build(tmp_path, extra=("-mno-amx-tile",)))
+        assert ops.native_bf16
     gen = torch.Generator().manual_seed(5)
     for m in (1, 7, 300):
         x, w = _bf16(m, 96, gen=gen), _bf16(48 + 32, 96, gen=gen, scale=0.2)
@@ -552,3 +557,38 @@ def test_sum_above_adds_the_weights_strictly_above_the_pivot(ops: cpu_ops.CpuOps
         ops.softmax_t(w.t(), pivot)
     with pytest.raises(ValueError, match="6 float32"):
         ops.softmax_t(w, pivot[:3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_picks_as_argmax_and_flags_rows_without_a_distribution(
+    ops: cpu_ops.CpuOps, dtype: torch.dtype
+) -> None:
+    """The engine's greedy picks (``CpuOps.greedy``): the first index of each chosen row's
+    largest value, as torch.argmax; -1 for a row with a NaN or +inf, or all -inf."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 50_000, generator=gen).to(dtype)
+    logits[1, 7] = float("nan")
+    logits[2, 49_999] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, 11] = logits[4, 40_000] = 100.0  # a tie: the first wins
+    logits[5, :-1] = float("-inf")  # one finite logit, the last
+    logits[6, 0] = 50.0
+    logits[7, 49_999] = 50.0
+    rows = torch.tensor([8, 0, 1, 2, 3, 4, 5, 6, 7, 0])
+    got = ops.greedy(logits, rows)
+    want = logits.float().argmax(dim=1)[rows]
+    for i, r in enumerate(rows.tolist()):
+        assert got[i] == (-1 if r in (1, 2, 3) else want[i]), r
+    assert got.tolist()[5:9] == [11, 49_999, 0, 49_999]  # rows 4-7
+    wide = torch.randn(4, 70, generator=gen).to(dtype)
+    assert torch.equal(ops.greedy(wide[:, 5:65], torch.arange(4)), wide[:, 5:65].float().argmax(1))
+    for bad, match in (
+        (logits.half(), "float32 or bfloat16"),
+        (logits[:, ::2], "contiguous rows"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ops.greedy(bad, rows)
+    with pytest.raises(ValueError, match="index"):
+        ops.greedy(logits, torch.tensor([9]))
+    with pytest.raises(ValueError, match="int64"):
+        ops.greedy(logits, torch.tensor([0], dtype=torch.int32))
