@@ -150,10 +150,12 @@ def run_llama_cpp(
            "--max-tokens", str(OUTPUT_TOKENS), "--threads", str(threads)]  # fmt: skip
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-        if proc.returncode == -signal.SIGILL:
-            # ggml's AMX path dies on some AMX CPUs: llama.cpp at its best that runs
-            print("llama.cpp died of SIGILL in its AMX path: rerun without repacked "
-                  "weights (--no-extra-bufts)", flush=True)  # fmt: skip
+        if proc.returncode in (-signal.SIGILL, -signal.SIGSEGV):
+            # ggml's AMX path dies on some AMX CPUs (SIGILL on the project's Sapphire
+            # Rapids machines, SIGSEGV on others): llama.cpp at its best that runs
+            died = signal.Signals(-proc.returncode).name
+            print(f"llama.cpp died of {died} with repacked (AMX) weights: rerun without "
+                  "them (--no-extra-bufts)", flush=True)  # fmt: skip
             cmd.append("--no-extra-bufts")
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     except subprocess.TimeoutExpired:

@@ -21,7 +21,9 @@
  *   into two bfloat16, w = hi + lo (hi its top 16 bits, lo the rest rounded: |error| <
  *   2^-16 |w|), and the tiles multiply both with x; float32 x is split the same way and
  *   x_lo * hi is added, so the result is x @ W.T to about 2^-15 of |x| |w|, inside the
- *   tests' 1e-4, at AMX's rate (a 16 x 16 x 32 product an instruction);
+ *   tests' 1e-4, at AMX's rate (a 16 x 16 x 32 product an instruction). Interleaved
+ *   weights up to SPLIT_ROWS rows skip the split: the tiles multiply the integers
+ *   themselves, and each block's products are scaled in registers (quant_interleaved.c);
  * - without AMX (Zen 4), vdpbf16ps over the integers themselves: integers and bfloat16
  *   activations are exact in bfloat16, products of two bfloat16 exact in float32, so
  *   each block's dot product is scaled by D and its offset added once; float32 x is split
@@ -100,6 +102,60 @@ static void widen_x(const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t k
     }
 }
 
+/* The bfloat16 of 0..15, indexed by a nibble held in a 16-bit lane (vpermw's table). */
+static const uint16_t NIB_BF16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120,
+    0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+
+static inline __m512i i8x32_bf16(const uint8_t *p) { /* 32 int8 -> 32 bf16, in order */
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* 32 nibble values in 16-bit lanes (0..15 each) -> 32 bf16. */
+static inline __m512i nib_words_bf16(__m512i words, __m512i table) {
+    return _mm512_permutexvar_epi16(words, table);
+}
+
+/*
+ * The activations as vdpbf16ps and AMX's tiles read them: xb rows of kp = nb * 32 bf16
+ * (zero past k): m rows of bf16 x as they are, or for float32 x its hi parts (the top 16
+ * bits: x - hi is exact in float32) and, from row lo_row on, its lo parts (x - hi rounded);
+ * rows the caller allocated past these are its own to clear. xsum [m][nb] (or NULL), each
+ * block's sum of x (exact x, float32), for the formats with offsets.
+ */
+static void prepare_x(const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t k,
+                      int64_t nb, int64_t lo_row, bf16 *xb, float *xsum) {
+    const int64_t kp = nb * 32;
+    for (int64_t i = 0; i < m; i++) {
+        bf16 *hi = xb + i * kp, *lo = xb + (lo_row + i) * kp;
+        if (x_bf16) {
+            memcpy(hi, (const bf16 *)x + i * ldx, (size_t)k * sizeof(bf16));
+        } else {
+            for (int64_t c = 0; c < k; c++) {
+                const float v = ((const float *)x)[i * ldx + c];
+                uint32_t u;
+                memcpy(&u, &v, sizeof u);
+                hi[c] = (bf16)(u >> 16); /* truncated: v - hi is exact in float32 */
+                /* inf and NaN are carried by hi alone */
+                lo[c] = (u & 0x7F800000u) == 0x7F800000u ? 0 : f2bf(v - bf2f(hi[c]));
+            }
+            memset(lo + k, 0, (size_t)(kp - k) * sizeof(bf16));
+        }
+        memset(hi + k, 0, (size_t)(kp - k) * sizeof(bf16));
+        if (xsum)
+            for (int64_t b = 0; b < nb; b++) {
+                float s = 0.0f;
+                for (int64_t c = 32 * b; c < 32 * b + 32 && c < k; c++)
+                    s += x_bf16 ? bf2f(((const bf16 *)x)[i * ldx + c])
+                                : ((const float *)x)[i * ldx + c];
+                xsum[i * nb + b] = s;
+            }
+    }
+}
+
 /* Block b's integers as 32 int16 in column order, its scale and offset (as qblock_ps). */
 static inline __attribute__((always_inline)) __m512i qblock_epi16(const int FMT,
                                                                   const uint8_t *row, int64_t b,
@@ -155,9 +211,11 @@ static void quantize_x16(const void *x, int64_t ldx, int x_bf16, int64_t m, int6
                                   : ((const float *)x)[i * ldx + c0 + c];
             const __m512 a = _mm512_loadu_ps(buf), z = _mm512_loadu_ps(buf + 16);
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(z)));
-            if (xsum) xsum[i * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(a, z));
+            const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, z));
+            if (xsum) xsum[i * nb + b] = sum;
             float inv;
-            sx[i * nb + b] = x16_scale(amax, &inv);
+            const float s16 = x16_scale(amax, &inv);
+            sx[i * nb + b] = sum == sum ? s16 : sum; /* max_ps drops a NaN; the sum keeps it */
             const __m512 s = _mm512_set1_ps(inv);
             const __m256i qa = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, s)));
             const __m256i qz = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(z, s)));

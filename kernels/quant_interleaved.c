@@ -10,6 +10,13 @@
  * low nibble; Q8_0: two int8 a feature).
  */
 #define IQ_BS(FMT) ((FMT) == HQ_IQ8_0 ? 34 : (FMT) == HQ_IQ4_0 ? 18 : 20)
+/* AMX: up to SPLIT_ROWS rows, each block's integer products scaled (iamx); more, the split
+ * weights accumulated in tiles (iamx_split), which pay their splitting once for all rows;
+ * AMX_ROWS rows a call at most, so that x stays in cache while every group reads it. */
+#define SPLIT_ROWS 96
+#define AMX_ROWS 256
+#define AMX_MIN_ROWS 8 /* more rows: AMX where the CPU has it (streaming is faster up to here) */
+#define IDIRECT 8 /* rows a pass of the streaming path on interleaved weights */
 #define IQ_HEAD(FMT) ((FMT) == HQ_IQ4_1 ? 64 : 32)
 
 /* Column pair p of a block, 16 features: dword lane f holds the int16 pair
@@ -90,26 +97,141 @@ static void idirect(int fmt, int64_t m, int64_t nb, const int16_t *xq, const flo
     const int64_t groups = (n + 15) / 16, gb = nb * 16 * IQ_BS(fmt);
     const int par = groups * gb * m >= PAR_WORK && groups > 1;
 #define IDIRECT_CASE(FMT, MM)                                                                \
-    case (FMT) * 8 + (MM): {                                                                 \
+    case (FMT) * 16 + (MM): {                                                                \
         _Pragma("omp parallel for schedule(static) if (par)")                               \
         for (int64_t g = 0; g < groups; g++)                                                 \
             igroup(FMT, MM, nb, xq, sx, xsum, w + g * gb, 16 * g, n, bias, y, y_bf16);       \
         break;                                                                               \
     }
-#define IDIRECT_FMT(FMT) IDIRECT_CASE(FMT, 1) IDIRECT_CASE(FMT, 2) IDIRECT_CASE(FMT, 3) IDIRECT_CASE(FMT, 4)
-    switch (fmt * 8 + (int)m) { IDIRECT_FMT(HQ_IQ8_0) IDIRECT_FMT(HQ_IQ4_0) IDIRECT_FMT(HQ_IQ4_1) }
+#define IDIRECT_FMT(FMT)                                                                     \
+    IDIRECT_CASE(FMT, 1) IDIRECT_CASE(FMT, 2) IDIRECT_CASE(FMT, 3) IDIRECT_CASE(FMT, 4)      \
+    IDIRECT_CASE(FMT, 5) IDIRECT_CASE(FMT, 6) IDIRECT_CASE(FMT, 7) IDIRECT_CASE(FMT, 8)
+    switch (fmt * 16 + (int)m) { IDIRECT_FMT(HQ_IQ8_0) IDIRECT_FMT(HQ_IQ4_0) IDIRECT_FMT(HQ_IQ4_1) }
 #undef IDIRECT_FMT
 #undef IDIRECT_CASE
 }
 
 #ifdef HQ_AMX
 /*
- * The AMX path on interleaved weights: here the weights are the B tiles (VNNI order is
- * the interleaved order: a column pair per feature) and x the A tiles (rows of 32
- * columns). Per group and block, the 16 features' w = q * d + m (float32) are split into
- * bf16 hi + lo pairs, [16 pairs][16 features][2] each, and multiplied with x's hi (and lo)
- * rows: C [16 rows][16 features]. Tiles: 0-3 results (row group 2 a + feature group b'),
- * 4-5 x, 6-7 weights.
+ * The AMX path on interleaved weights. The weights' integers are exact in bfloat16, and so
+ * are bfloat16 activations, so the tiles multiply them as they are: per group of 16
+ * features, each block's integers become a B tile (VNNI order is the interleaved order: a
+ * column pair per feature), x's rows of the block an A tile (float32 x: its hi, then lo
+ * rows, into the same result), and one instruction gives the block's 16 x 16 integer dot
+ * products exactly in float32. Those are scaled by the block's D per feature in registers
+ * (and its offset added through x's block sums): one tile product a block, no dequantized
+ * weights, x @ W.T to float32 rounding. Tiles: 0-1 results (blocks alternate, so one
+ * block's product runs while the last one's is scaled), 2-3 x, 4-5 weights.
+ */
+
+/* Group-block blk's integers as a B tile t ([16 pairs][16 features][2] bf16), its scales
+ * d[16] and offsets mb[16] (Q4_0: -8 d; Q8_0: 0). */
+static inline __attribute__((always_inline)) void iq_tile(const int FMT, const uint8_t *blk,
+                                                          __m512i table, bf16 *t, float *d,
+                                                          float *mb) {
+    __m512 vd, vm;
+    iq_head(FMT, blk, &vd, &vm);
+    _mm512_storeu_ps(d, vd);
+    _mm512_storeu_ps(mb, vm);
+    const uint8_t *qs = blk + IQ_HEAD(FMT);
+    for (int p = 0; p < 16; p++) {
+        const __m512i q = iq_pair(FMT, qs, p); /* int16 pairs (even column, odd column) */
+        __m512i b;
+        if (FMT == HQ_IQ8_0) {
+            /* int16 -> float32 -> its top half: exact for |q| <= 256 */
+            const __m512 e = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(q, 16), 16));
+            const __m512 o = _mm512_cvtepi32_ps(_mm512_srai_epi32(q, 16));
+            b = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(e), 16),
+                                _mm512_and_si512(_mm512_castps_si512(o),
+                                                 _mm512_set1_epi32((int)0xFFFF0000u)));
+        } else {
+            b = nib_words_bf16(q, table);
+        }
+        _mm512_storeu_si512(t + 32 * p, b);
+    }
+}
+
+/* One block's product into tile T (its weights in tile WT): x's rows (hi, then lo for
+ * float32 x) times the block's B tile. */
+#define IAMX_PRODUCT(T, WT, C)                                                               \
+    do {                                                                                     \
+        _tile_zero(T);                                                                       \
+        _tile_loadd(2, xa + r0 * kp + 32 * (C), as);                                         \
+        _tile_loadd(WT, wt + (C) * 512, 64);                                                 \
+        _tile_dpbf16ps(T, 2, WT);                                                            \
+        if (x_lo) {                                                                          \
+            _tile_loadd(3, xa + (rows + r0) * kp + 32 * (C), as);                            \
+            _tile_dpbf16ps(T, 3, WT);                                                        \
+        }                                                                                    \
+    } while (0)
+
+/* acc[r] += product(r) * D (+ MB * row r's block sum), from the stored tile cb. */
+static inline __attribute__((always_inline)) void iamx_scale(const int OFFSETS, __m512 acc[16],
+                                                             const float *cb, const float *d,
+                                                             const float *mb, const float *xs,
+                                                             int64_t nb) {
+    const __m512 vd = _mm512_loadu_ps(d), vm = _mm512_loadu_ps(mb);
+    for (int r = 0; r < 16; r++) {
+        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(cb + 16 * r), vd, acc[r]);
+        if (OFFSETS) acc[r] = _mm512_fmadd_ps(vm, _mm512_set1_ps(xs[r * nb]), acc[r]);
+    }
+}
+
+/* The groups of one format; returns -1 when a thread's buffer cannot be allocated. */
+static inline __attribute__((always_inline)) int iamx_fmt(
+    const int FMT, int64_t m, int64_t nb, const bf16 *xa, int x_lo, const float *xsum,
+    const uint8_t *w, int64_t n, const float *bias, void *y, int y_bf16) {
+    const int OFFSETS = FMT != HQ_IQ8_0;
+    const int64_t kp = 32 * nb, rows = (m + 15) / 16 * 16, groups = (n + 15) / 16;
+    const int64_t gb = nb * 16 * IQ_BS(FMT), as = kp * (int64_t)sizeof(bf16);
+    int failed = 0;
+#pragma omp parallel if (groups * gb * m >= PAR_WORK && groups > 1)
+    {
+        /* a group's B tiles, scales and offsets; two tiles' results */
+        const size_t tiles = (size_t)nb * 512 * sizeof(bf16);
+        const size_t heads = (size_t)nb * 16 * sizeof(float);
+        char *mem = amx_thread_start(tiles + 2 * heads + 2 * 256 * sizeof(float), &failed);
+        const __m512i table = _mm512_loadu_si512(NIB_BF16);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            if (!mem) continue;
+            bf16 *wt = (bf16 *)mem;
+            float *ds = (float *)(mem + tiles), *ms = ds + nb * 16, *cb = ms + nb * 16;
+            for (int64_t b = 0; b < nb; b++)
+                iq_tile(FMT, w + g * gb + b * 16 * IQ_BS(FMT), table, wt + b * 512, ds + 16 * b,
+                        ms + 16 * b);
+            for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+                __m512 acc[16];
+                for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+                const float *xs = xsum + r0 * nb; /* rows past m read their zero sums */
+                IAMX_PRODUCT(0, 4, 0);
+                for (int64_t c = 0; c < nb; c += 2) {
+                    if (c + 1 < nb) IAMX_PRODUCT(1, 5, c + 1);
+                    _tile_stored(0, cb, 64);
+                    iamx_scale(OFFSETS, acc, cb, ds + 16 * c, ms + 16 * c, xs + c, nb);
+                    if (c + 1 >= nb) break;
+                    if (c + 2 < nb) IAMX_PRODUCT(0, 4, c + 2);
+                    _tile_stored(1, cb + 256, 64);
+                    iamx_scale(OFFSETS, acc, cb + 256, ds + 16 * (c + 1), ms + 16 * (c + 1),
+                               xs + c + 1, nb);
+                }
+                for (int64_t r = 0; r < 16 && r0 + r < m; r++)
+                    put16(acc[r], r0 + r, 16 * g, n, bias, y, y_bf16);
+            }
+        }
+        if (mem) _tile_release();
+        free(mem);
+    }
+    return failed ? -1 : 0;
+}
+
+/*
+ * The AMX path on interleaved weights past SPLIT_ROWS rows: here the weights are the B
+ * tiles (VNNI order is the interleaved order: a column pair per feature) and x the A tiles
+ * (rows of 32 columns). Per group and block, the 16 features' w = q * d + m (float32) are
+ * split into bf16 hi + lo pairs, [16 pairs][16 features][2] each, and multiplied with x's
+ * hi (and lo) rows: C [16 rows][16 features]. Tiles: 0-3 results (row group 2 a + feature
+ * group b'), 4-5 x, 6-7 weights.
  */
 static void iq_dequant_block(const int FMT, const uint8_t *blk, bf16 *hi, bf16 *lo) {
     __m512 d, mb;
@@ -137,7 +259,7 @@ static void iq_dequant_block(const int FMT, const uint8_t *blk, bf16 *hi, bf16 *
     }
 }
 
-static int iamx(int fmt, int64_t m, int64_t k, int64_t nb, const float *xf, int x_lo,
+static int iamx_split(int fmt, int64_t m, int64_t k, int64_t nb, const float *xf, int x_lo,
                 const uint8_t *w, int64_t n, const float *bias, void *y, int y_bf16) {
     const int64_t kp = 32 * nb, rows = (m + 15) / 16 * 16, groups = (n + 15) / 16;
     const int64_t panels = (groups + 1) / 2, gb = nb * 16 * IQ_BS(fmt);
@@ -219,6 +341,28 @@ static int iamx(int fmt, int64_t m, int64_t k, int64_t nb, const float *xf, int 
     free(xa);
     return failed ? -1 : 0;
 }
+
+static int iamx(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t k,
+                int64_t nb, const uint8_t *w, int64_t n, const float *bias, void *y, int y_bf16) {
+    const int64_t kp = 32 * nb, rows = (m + 15) / 16 * 16, parts = x_bf16 ? 1 : 2;
+    /* x's rows (hi, then lo rows from `rows` on), zero up to a multiple of 16; block sums */
+    bf16 *xa = aligned_alloc(64, (size_t)(parts * rows * kp) * sizeof(bf16) + 64);
+    float *xsum = calloc((size_t)(rows * nb), sizeof(float));
+    int rc = -1;
+    if (xa && xsum) {
+        memset(xa, 0, (size_t)(parts * rows * kp) * sizeof(bf16));
+        prepare_x(x, ldx, x_bf16, m, k, nb, rows, xa, xsum);
+        const int lo = !x_bf16;
+        switch (fmt) {
+        case HQ_IQ8_0: rc = iamx_fmt(HQ_IQ8_0, m, nb, xa, lo, xsum, w, n, bias, y, y_bf16); break;
+        case HQ_IQ4_0: rc = iamx_fmt(HQ_IQ4_0, m, nb, xa, lo, xsum, w, n, bias, y, y_bf16); break;
+        default: rc = iamx_fmt(HQ_IQ4_1, m, nb, xa, lo, xsum, w, n, bias, y, y_bf16); break;
+        }
+    }
+    free(xa);
+    free(xsum);
+    return rc;
+}
 #endif
 
 /* hq_linear for interleaved weights (AVX-512 builds only). */
@@ -226,26 +370,42 @@ static int ilinear(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m, i
                    const uint8_t *w, int64_t n, const float *bias, void *y, int y_bf16) {
     const int64_t nb = k / 32, kp = 32 * nb;
 #ifdef HQ_AMX
-    if (m > DIRECT512 && amx_ready()) {
-        float *xf = aligned_alloc(64, (size_t)(m * kp) * sizeof(float) + 64);
-        int rc = -1;
-        if (xf) {
-            widen_x(x, ldx, x_bf16, m, k, nb, xf, NULL);
-            rc = iamx(fmt, m, k, nb, xf, !x_bf16, w, n, bias, y, y_bf16);
+    if (m > AMX_MIN_ROWS && amx_ready()) {
+        /* AMX_ROWS rows at a time: a chunk's x stays in cache across the weights' groups */
+        const size_t out = y_bf16 ? sizeof(bf16) : sizeof(float);
+        const size_t in = x_bf16 ? sizeof(bf16) : sizeof(float);
+        float *xf = NULL;
+        for (int64_t i0 = 0; i0 < m; i0 += AMX_ROWS) {
+            const int64_t rows = m - i0 < AMX_ROWS ? m - i0 : AMX_ROWS;
+            const void *xi = (const char *)x + (size_t)(i0 * ldx) * in;
+            void *yi = (char *)y + (size_t)(i0 * n) * out;
+            int rc;
+            if (rows > SPLIT_ROWS) { /* (the last chunk may be short: then it scales) */
+                if (!xf) xf = aligned_alloc(64, (size_t)(AMX_ROWS * kp) * sizeof(float) + 64);
+                if (!xf) return -1;
+                widen_x(xi, ldx, x_bf16, rows, k, nb, xf, NULL);
+                rc = iamx_split(fmt, rows, k, nb, xf, !x_bf16, w, n, bias, yi, y_bf16);
+            } else {
+                rc = iamx(fmt, xi, ldx, x_bf16, rows, k, nb, w, n, bias, yi, y_bf16);
+            }
+            if (rc) {
+                free(xf);
+                return rc;
+            }
         }
         free(xf);
-        return rc;
+        return 0;
     }
 #endif
-    /* the streaming path, four rows at a time */
-    const int64_t mc = m < DIRECT512 ? m : DIRECT512;
+    /* the streaming path, IDIRECT rows a pass */
+    const int64_t mc = m < IDIRECT ? m : IDIRECT;
     int16_t *xq = aligned_alloc(64, (size_t)(mc * kp) * sizeof(int16_t) + 64);
     float *sx = malloc((size_t)(2 * mc * nb) * sizeof(float) + 4);
     int rc = -1;
     if (xq && sx) {
         const size_t out = y_bf16 ? sizeof(bf16) : sizeof(float);
-        for (int64_t i0 = 0; i0 < m; i0 += DIRECT512) {
-            const int64_t rows = m - i0 < DIRECT512 ? m - i0 : DIRECT512;
+        for (int64_t i0 = 0; i0 < m; i0 += IDIRECT) {
+            const int64_t rows = m - i0 < IDIRECT ? m - i0 : IDIRECT;
             const void *xi = x_bf16 ? (const void *)((const bf16 *)x + i0 * ldx)
                                     : (const void *)((const float *)x + i0 * ldx);
             quantize_x16(xi, ldx, x_bf16, rows, k, nb, xq, sx, sx + rows * nb);

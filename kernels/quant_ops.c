@@ -520,8 +520,8 @@ int hq_linear(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m, int64_
     return rc;
 }
 
-/* Whether more than DIRECT512 rows run on AMX tiles here (its split weights compute x @ W.T
- * to about 2^-15 of |x| |w| instead of float32 rounding). */
+/* Whether more than DIRECT512 rows run on AMX tiles here (split weights, where they run,
+ * compute x @ W.T to about 2^-15 of |x| |w| instead of float32 rounding). */
 int hq_amx(void) {
 #ifdef HQ_AMX
     return amx_ready();

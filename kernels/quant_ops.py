@@ -111,8 +111,9 @@ class QuantOps:
         lib.hq_amx.restype = _C
         self._lib = lib
         self.simd = {2: "avx512_bf16", 1: "avx2"}.get(lib.hq_simd(), "portable")
-        # Rows past the streaming path's 4 multiply on AMX tiles, with bf16 hi + lo weights:
-        # x @ W.T to ~2**-15 of |x| |w| rather than to float32 rounding.
+        # Whether more rows than streaming's multiply on AMX tiles; where the weights are
+        # split into bf16 hi + lo (the row layout past 4 rows, interleaved past 96), x @ W.T
+        # comes to ~2**-15 of |x| |w| rather than to float32 rounding.
         self.amx = bool(lib.hq_amx())
 
     def supports(self, qw: QuantizedWeight) -> bool:
@@ -128,10 +129,11 @@ class QuantOps:
 
     def interleaves(self, qw: QuantizedWeight) -> bool:
         """Whether ``qw`` is served faster interleaved here (quant_interleave.py): Q8_0,
-        Q4_0 and Q4_1 on CPUs with AMX (its kernels read both row counts' paths from it) and
-        on AVX2 ones (quant_interleaved_avx2.c: one scale conversion for 16 features)."""
+        Q4_0 and Q4_1 wherever the SIMD kernels build: one scale conversion serves 16
+        features, and every row count's path reads the layout (AVX-512: streaming up to 4
+        rows, then AMX tiles or vdpbf16ps panels; AVX2: quant_interleaved_avx2.c)."""
         return (
-            (self.amx or self.simd == "avx2")
+            self.simd in ("avx512_bf16", "avx2")
             and isinstance(qw, GgufWeight)
             and qw.kind in INTERLEAVED_KINDS
             and qw.device.type == "cpu"

@@ -3,23 +3,6 @@
  * Included by quant_ops.c inside #ifdef HQ_AVX512 (one translation unit, one build). */
 
 /* The vdpbf16ps panel path (no AMX) */
-/* The bfloat16 of 0..15, indexed by a nibble held in a 16-bit lane (vpermw's table). */
-static const uint16_t NIB_BF16[32] = {
-    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120,
-    0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-
-static inline __m512i i8x32_bf16(const uint8_t *p) { /* 32 int8 -> 32 bf16, in order */
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-    __m512 hi =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
-/* 32 nibble values in 16-bit lanes (0..15 each) -> 32 bf16. */
-static inline __m512i nib_words_bf16(__m512i words, __m512i table) {
-    return _mm512_permutexvar_epi16(words, table);
-}
-
 /*
  * Block b (32 weights, from column 32 b) of a weight row in format fmt: its integers as 32
  * bf16 in column order, its scale *D and offset *MB (the weights are q * D + MB). int8's
@@ -67,40 +50,6 @@ static inline __m512i qblock(int fmt, const uint8_t *row, int64_t b, int64_t k, 
         __m512i q = (j & 1) ? _mm512_srli_epi16(w, 4) : _mm512_and_si512(w, _mm512_set1_epi16(0x0F));
         return nib_words_bf16(q, table);
     }
-    }
-}
-
-/*
- * The activations as vdpbf16ps reads them: xb [mm][kp] bf16 (kp = nb * 32, zero past k),
- * mm = m rows of bf16 x as they are, or 2 m for float32 x (rows hi, then rows lo); and
- * xsum [m][nb], each block's sum of x (exact x, float32), for the formats with offsets.
- */
-static void prepare_x(const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t k,
-                      int64_t nb, bf16 *xb, float *xsum) {
-    const int64_t kp = nb * 32, mm = x_bf16 ? m : 2 * m;
-    memset(xb, 0, (size_t)(mm * kp) * sizeof(bf16));
-    for (int64_t i = 0; i < m; i++) {
-        for (int64_t c = 0; c < k; c++) {
-            if (x_bf16) {
-                xb[i * kp + c] = ((const bf16 *)x)[i * ldx + c];
-            } else {
-                const float v = ((const float *)x)[i * ldx + c];
-                uint32_t u;
-                memcpy(&u, &v, sizeof u);
-                const bf16 hi = (bf16)(u >> 16); /* truncated: v - hi is exact in float32 */
-                xb[i * kp + c] = hi;
-                /* inf and NaN are carried by hi alone */
-                xb[(m + i) * kp + c] = (u & 0x7F800000u) == 0x7F800000u ? 0 : f2bf(v - bf2f(hi));
-            }
-        }
-        if (xsum)
-            for (int64_t b = 0; b < nb; b++) {
-                float s = 0.0f;
-                for (int64_t c = 32 * b; c < 32 * b + 32 && c < k; c++)
-                    s += x_bf16 ? bf2f(((const bf16 *)x)[i * ldx + c])
-                                : ((const float *)x)[i * ldx + c];
-                xsum[i * nb + b] = s;
-            }
     }
 }
 
@@ -251,7 +200,7 @@ static int linear512(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m,
     float *xsum = offsets ? malloc((size_t)(m * nb) * sizeof(float) + 4) : NULL;
     int rc = -1;
     if (xb && (xsum || !offsets)) {
-        prepare_x(x, ldx, x_bf16, m, k, nb, xb, xsum);
+        prepare_x(x, ldx, x_bf16, m, k, nb, m, xb, xsum);
         rc = tiled512(fmt, m, mm, k, nb, xb, xsum, w, n, rb, scale, bias, y, y_bf16);
     }
     free(xb);

@@ -151,7 +151,8 @@ def generate_c1(path: str, prompts: list[list[int]], max_tokens: int, threads: i
 def without_extra_bufts() -> None:
     """Model loads from here on keep the GGUF's weights in plain buffers: no repacking, so
     no AMX path. ggml's AMX matmul executed tile instructions in threads that had loaded no
-    tile configuration and died of SIGILL on the project's Sapphire Rapids machines."""
+    tile configuration and died of SIGILL on the project's Sapphire Rapids machines (of SIGSEGV
+    on others)."""
     default = L.llama_cpp.llama_model_default_params
 
     def params() -> object:

@@ -1,8 +1,9 @@
 """Interleaved GGUF blocks (kernels/quant_interleave.py): the same bytes reordered in
 groups of 16 output features, what the CPU kernels read on AMX machines. The layout round
 trips byte for byte; the kernels on it compute x @ deq(W).T for every row count (the
-streaming path up to 4 rows, AMX tiles beyond); for_device picks it where it is faster;
-bad input is a clear ValueError."""
+streaming path up to 4 rows; on AMX, scaled block products up to 96, split weights beyond,
+256 rows a call); a NaN or inf row spoils only itself; for_device picks the layout where it
+is faster; bad input is a clear ValueError."""
 
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ def test_every_row_count_against_the_reference(fmt: str, dtype: torch.dtype) -> 
     n, k = 37, 96  # a last group of 5 features
     qw = make_weight(fmt, n, k, gen)
     iw = interleave(qw)
-    xs = torch.randn(256, k, generator=gen).to(dtype)
+    xs = torch.randn(300, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen)
-    for m in [*range(1, 18), 31, 32, 33, 48, 64, 100, 255, 256]:
+    for m in [*range(1, 18), 31, 32, 33, 48, 64, 96, 97, 100, 255, 256, 300]:
         b = bias if m % 2 else None
         assert_matches_reference(quant_linear(xs[:m], iw, b), xs[:m], qw, b)
 
@@ -61,10 +62,26 @@ def test_model_sized_layers_and_strided_rows(fmt: str) -> None:
     gen = torch.Generator().manual_seed(3)
     qw = make_weight(fmt, 300, 576, gen)
     iw = interleave(qw)
-    wide = torch.randn(40, 700, generator=gen)
-    for m in (1, 4, 40):
+    wide = torch.randn(120, 700, generator=gen)
+    for m in (1, 4, 40, 120):
         x = wide[:m, 50:626]  # rows 700 apart
         assert_matches_reference(quant_linear(x, iw), x, qw)
+
+
+@pytest.mark.parametrize("fmt", KINDS)
+@pytest.mark.parametrize("m", [3, 9, 120])
+def test_a_non_finite_activation_spoils_only_its_own_row(fmt: str, m: int) -> None:
+    gen = torch.Generator().manual_seed(m)
+    qw = make_weight(fmt, 40, 96, gen)
+    iw = interleave(qw)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, 96, generator=gen).to(dtype)
+            x[m // 2, 50] = bad
+            y = quant_linear(x, iw)
+            assert not torch.isfinite(y[m // 2]).any()
+            rest = [i for i in range(m) if i != m // 2]
+            assert_matches_reference(y[rest], x[rest], qw)
 
 
 def test_for_device_interleaves_where_the_kernels_read_it_faster() -> None:

@@ -16,6 +16,7 @@ from gguf.quants import dequantize, quantize
 from quant_cases import CPU_FORMATS, assert_matches_reference, block_k, make_weight
 
 from hotpool.kernels import quant_ops
+from hotpool.kernels.quant_interleave import interleave
 from hotpool.kernels.quant_linear import QuantizedLinear, for_device, quant_linear
 from hotpool.kernels.quant_reference import dequantize_reference
 from hotpool.kernels.quant_torch import repack_for_triton, torch_quant_linear
@@ -169,11 +170,13 @@ def test_every_build_computes_the_same_function(
     for fmt in CPU_FORMATS:
         qw = make_weight(fmt, 37, 2 * block_k(fmt), gen)
         bias = torch.randn(37, generator=gen)
+        # the layouts this build reads: interleaved blocks where it serves them so
+        layouts = [qw, *([interleave(qw)] if portable.interleaves(qw) else [])]
         for m in (1, 2, 3, 4, 5, 20, 64):
             x32 = torch.randn(m, qw.shape[1], generator=gen)
             for x in (x32, x32.bfloat16()):
-                ours = portable.linear(x, qw, bias)
-                assert_matches_reference(ours, x, qw, bias)
+                for w in layouts:
+                    assert_matches_reference(portable.linear(x, w, bias), x, qw, bias)
                 assert_matches_reference(ops.linear(x, qw, bias), x, qw, bias)
     # fp16 scales below 2**-14 are subnormal: the portable converter must widen them exactly
     d = torch.tensor([2**-20, -(2**-15), 6e-8], dtype=torch.float16).view(torch.uint8)

@@ -168,15 +168,24 @@ def test_one_stream_verifies_its_proposals_in_programs() -> None:
     engine = _engine(int8_tiny(), None, max_num_seqs=1, speculative=spec)
     graphs = engine.decode_graphs
     assert graphs is not None and graphs.sizes == (1, 2, 3, 4, 6)
+    # The costs the engine reads (each step that verified proposals reads one): replays
+    # keep timing steps, so the cost after the run may differ from the one last read.
+    costs: list[float | None] = []
+    measured = graphs.row_cost
+
+    def row_cost() -> float | None:
+        costs.append(measured())
+        return costs[-1]
+
+    graphs.row_cost = row_cost  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = _run(_engine(int8_tiny(), False, max_num_seqs=1), LOOPY[:1], params)
     assert _run(engine, LOOPY[:1], params) == plain
     assert engine.stats().spec_accepted > 0
     assert max(graphs._programs) > 1  # spans replayed
     # Rejected requests pause unless a row is measured cheap (spec/lengths.py).
-    cost = graphs.row_cost()
-    assert cost is not None and cost >= 0.0
-    assert engine.spec_lengths.pauses == (cost > CHEAP_ROW)
+    assert costs and costs[-1] is not None and costs[-1] >= 0.0
+    assert engine.spec_lengths.pauses == (costs[-1] > CHEAP_ROW)
     wide = _engine(int8_tiny(), None, max_num_seqs=16, speculative=spec)  # max_batch 4
     assert wide.decode_graphs is not None and wide.decode_graphs.sizes[-1] == 24
 
