@@ -2,7 +2,7 @@
  * configuration, the row layout's panel path.
  * Included by quant_ops.c inside #ifdef HQ_AVX512 (one translation unit, one build). */
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(HQ_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HQ_AMX 1
 #include "amx_tiles.h"
 #define AMX_F 32 /* features per AMX panel: two A tiles of 16 */

@@ -107,12 +107,14 @@ static const uint16_t NIB_BF16[32] = {
     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120,
     0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 
+#ifdef HQ_AVX512BF16
 static inline __m512i i8x32_bf16(const uint8_t *p) { /* 32 int8 -> 32 bf16, in order */
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
     __m512 hi =
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
+#endif
 
 /* 32 nibble values in 16-bit lanes (0..15 each) -> 32 bf16. */
 static inline __m512i nib_words_bf16(__m512i words, __m512i table) {
@@ -278,6 +280,40 @@ static void direct512(int fmt, int64_t m, int64_t k, int64_t nb, const int16_t *
 #undef DIRECT_CASE
 }
 
+/* The streaming path of the row layout (m <= DIRECT512); -1 when memory runs out. */
+static int stream512(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t k,
+                     const uint8_t *w, int64_t n, int64_t rb, const float *scale,
+                     const float *bias, void *y, int y_bf16) {
+    const int64_t nb = (k + 31) / 32, kp = nb * 32;
+    const int offsets = fmt == HQ_Q4_0 || fmt == HQ_Q4_1 || fmt == HQ_Q4_K;
+    int16_t *xq = aligned_alloc(64, (size_t)(m * kp) * sizeof(int16_t) + 64);
+    float *sx = malloc((size_t)(2 * m * nb) * sizeof(float) + 4);
+    int rc = -1;
+    if (xq && sx) {
+        quantize_x16(x, ldx, x_bf16, m, k, nb, xq, sx, offsets ? sx + m * nb : NULL);
+        direct512(fmt, m, k, nb, xq, sx, sx + m * nb, w, n, rb, scale, bias, y, y_bf16);
+        rc = 0;
+    }
+    free(xq);
+    free(sx);
+    return rc;
+}
+
+/* 16 float32 as bfloat16, rounded to nearest even (NaN stays a quiet NaN): vcvtneps2bf16's
+ * result where the CPU has it; integer operations (f2bf's) where not. */
+static inline __m256i bf16x16(__m512 v) {
+#ifdef HQ_AVX512BF16
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u,
+                             _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+}
+
 /* Feature j's weights dequantized into float32 columns 0 .. kp (zero past k): w[kp]. */
 static inline __attribute__((always_inline)) void dequant_ps(const int FMT, const uint8_t *row,
                                                              int64_t k, int64_t nb, float *w) {
@@ -291,6 +327,7 @@ static inline __attribute__((always_inline)) void dequant_ps(const int FMT, cons
     }
 }
 
+#ifdef HQ_AVX512BF16
 /* hi = the top 16 bits of v (exact in bfloat16), lo = v - hi rounded to bfloat16. */
 static inline void split_bf16(const float *v, int64_t count, bf16 *hi, bf16 *lo) {
     const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
@@ -304,3 +341,4 @@ static inline void split_bf16(const float *v, int64_t count, bf16 *hi, bf16 *lo)
                                                                       _mm512_sub_ps(a, ah)));
     }
 }
+#endif

@@ -45,7 +45,7 @@ static inline void put16(__m512 v, int64_t i, int64_t j0, int64_t n, const float
     const __mmask16 keep = n - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j0)) - 1);
     if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + j0));
     if (y_bf16)
-        _mm256_mask_storeu_epi16((bf16 *)y + i * n + j0, keep, (__m256i)_mm512_cvtneps_pbh(v));
+        _mm256_mask_storeu_epi16((bf16 *)y + i * n + j0, keep, bf16x16(v));
     else
         _mm512_mask_storeu_ps((float *)y + i * n + j0, keep, v);
 }

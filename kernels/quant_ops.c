@@ -39,9 +39,14 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HQ_AVX2 1
 #include <immintrin.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
+/* AVX-512 F/BW/VL with VNNI (Cascade Lake, Ice Lake on): the streaming paths; with AVX-512
+ * BF16 too (Sapphire Rapids, Zen 4), the vdpbf16ps panels and AMX tiles for more rows. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 #define HQ_AVX512 1
+#ifdef __AVX512BF16__
+#define HQ_AVX512BF16 1
+#endif
 #endif
 #endif
 
@@ -477,7 +482,9 @@ static int linear_tiled(int fmt, const float *x, int64_t ldx, int64_t m, int64_t
 #include "quant_avx512.c"
 #include "quant_amx.c"
 #include "quant_interleaved.c"
+#ifdef HQ_AVX512BF16
 #include "quant_panels.c"
+#endif
 #endif /* HQ_AVX512 */
 
 /*
@@ -496,7 +503,12 @@ int hq_linear(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m, int64_
     if (fmt != HQ_INT8) scale = NULL;
 #ifdef HQ_AVX512
     if (fmt >= HQ_IQ8_0) return ilinear(fmt, x, ldx, x_bf16, m, k, w, n, bias, y, y_bf16) ? -2 : 0;
+#ifdef HQ_AVX512BF16
     return linear512(fmt, x, ldx, x_bf16, m, k, w, n, rb, scale, bias, y, y_bf16) ? -2 : 0;
+#else /* no vdpbf16ps: the streaming path, and the tiled one past it */
+    if (m <= DIRECT512)
+        return stream512(fmt, x, ldx, x_bf16, m, k, w, n, rb, scale, bias, y, y_bf16) ? -2 : 0;
+#endif
 #elif defined(HQ_AVX2)
     if (fmt >= HQ_IQ8_0) return ilinear_avx2(fmt, x, ldx, x_bf16, m, k, w, n, bias, y, y_bf16) ? -2 : 0;
     if (m <= DIRECT_AVX2)
@@ -533,9 +545,12 @@ int hq_amx(void) {
 /* row_bytes for Python's checks: one definition of each format's size. */
 int64_t hq_row_bytes(int fmt, int64_t k) { return row_bytes(fmt, k); }
 
-/* Which path this build runs: 2 AVX-512 BF16, 1 AVX2 + FMA + F16C, 0 portable C. */
+/* Which path this build runs: 3 AVX-512 with BF16, 2 AVX-512 (VNNI, no BF16), 1 AVX2 + FMA +
+ * F16C, 0 portable C. */
 int hq_simd(void) {
-#if defined(HQ_AVX512)
+#if defined(HQ_AVX512BF16)
+    return 3;
+#elif defined(HQ_AVX512)
     return 2;
 #elif defined(HQ_AVX2)
     return 1;

@@ -110,7 +110,7 @@ class QuantOps:
         lib.hq_amx.argtypes = ()
         lib.hq_amx.restype = _C
         self._lib = lib
-        self.simd = {2: "avx512_bf16", 1: "avx2"}.get(lib.hq_simd(), "portable")
+        self.simd = {3: "avx512_bf16", 2: "avx512", 1: "avx2"}.get(lib.hq_simd(), "portable")
         # Whether more rows than streaming's multiply on AMX tiles; where the weights are
         # split into bf16 hi + lo (the row layout past 4 rows, interleaved past 96), x @ W.T
         # comes to ~2**-15 of |x| |w| rather than to float32 rounding.
@@ -124,16 +124,16 @@ class QuantOps:
         if isinstance(qw, Int8Weight):
             return qw.scale.dim() == 1
         if isinstance(qw, InterleavedWeight):
-            return self.simd in ("avx512_bf16", "avx2")
+            return self.simd != "portable"
         return isinstance(qw, GgufWeight)
 
     def interleaves(self, qw: QuantizedWeight) -> bool:
         """Whether ``qw`` is served faster interleaved here (quant_interleave.py): Q8_0,
         Q4_0 and Q4_1 wherever the SIMD kernels build: one scale conversion serves 16
-        features, and every row count's path reads the layout (AVX-512: streaming up to 4
-        rows, then AMX tiles or vdpbf16ps panels; AVX2: quant_interleaved_avx2.c)."""
+        features, and every row count's path reads the layout (AVX-512: streaming 8 rows a
+        pass, past 8 rows AMX tiles where the CPU has them; AVX2: quant_interleaved_avx2.c)."""
         return (
-            self.simd in ("avx512_bf16", "avx2")
+            self.simd != "portable"
             and isinstance(qw, GgufWeight)
             and qw.kind in INTERLEAVED_KINDS
             and qw.device.type == "cpu"

@@ -170,19 +170,7 @@ static int linear512(int fmt, const void *x, int64_t ldx, int x_bf16, int64_t m,
 #ifdef HQ_AMX
     amx = m > DIRECT512 && amx_ready();
 #endif
-    if (m <= DIRECT512) {
-        int16_t *xq = aligned_alloc(64, (size_t)(m * kp) * sizeof(int16_t) + 64);
-        float *sx = malloc((size_t)(2 * m * nb) * sizeof(float) + 4);
-        int rc = -1;
-        if (xq && sx) {
-            quantize_x16(x, ldx, x_bf16, m, k, nb, xq, sx, offsets ? sx + m * nb : NULL);
-            direct512(fmt, m, k, nb, xq, sx, sx + m * nb, w, n, rb, scale, bias, y, y_bf16);
-            rc = 0;
-        }
-        free(xq);
-        free(sx);
-        return rc;
-    }
+    if (m <= DIRECT512) return stream512(fmt, x, ldx, x_bf16, m, k, w, n, rb, scale, bias, y, y_bf16);
 #ifdef HQ_AMX
     if (amx) {
         float *xf = aligned_alloc(64, (size_t)(m * kp) * sizeof(float) + 64);

@@ -43,8 +43,12 @@ def ops() -> quant_ops.QuantOps:
 def test_the_build_follows_the_host_cpu(ops: quant_ops.QuantOps) -> None:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     avx2 = all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
-    avx512 = avx2 and all(f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512_bf16"))
-    assert ops.simd == ("avx512_bf16" if avx512 else "avx2" if avx2 else "portable")
+    avx512 = avx2 and all(
+        f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+    )
+    bf16 = avx512 and " avx512_bf16" in flags
+    expected = "avx512_bf16" if bf16 else "avx512" if avx512 else "avx2" if avx2 else "portable"
+    assert ops.simd == expected
 
 
 @pytest.mark.parametrize("fmt", CPU_FORMATS)
@@ -151,19 +155,23 @@ def test_the_identity_reads_back_gguf_s_dequantized_weights(ops: quant_ops.Quant
         ("x86-64", (), "portable"),
         ("haswell", (), "avx2"),
         ("native", ("-mno-amx-tile",), "avx512_bf16"),  # its vdpbf16ps panels (Zen 4's)
+        # Cascade Lake's and Ice Lake's: VNNI streaming, the tiled path past it
+        ("native", ("-mno-amx-tile", "-mno-avx512bf16"), "avx512"),
     ],
 )
 def test_every_build_computes_the_same_function(
     ops: quant_ops.QuantOps, tmp_path: Path, march: str, extra: tuple[str, ...], simd: str
 ) -> None:
     """The host's build (AVX-512 with AMX tiles where the CPU has them) against the
-    portable C, the AVX2 and the AVX-512-without-AMX builds: each path is checked on any
-    x86-64 host that can run it."""
+    portable C, the AVX2, the AVX-512-without-AMX and the AVX-512-without-BF16 builds: each
+    path is checked on any x86-64 host that can run it."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     if simd == "avx2" and not all(f" {f}" in flags for f in ("avx2", "fma", "f16c")):
         pytest.skip("this CPU cannot run the AVX2 build")
     if simd == "avx512_bf16" and ops.simd != simd:
         pytest.skip("this CPU has no AVX-512 BF16")
+    if simd == "avx512" and ops.simd not in ("avx512", "avx512_bf16"):
+        pytest.skip("this CPU has no AVX-512 VNNI")
     portable = quant_ops.QuantOps(quant_ops.build(tmp_path, march=march, extra=extra))
     assert portable.simd == simd and not (extra and portable.amx)
     gen = torch.Generator().manual_seed(5)
@@ -176,7 +184,10 @@ def test_every_build_computes_the_same_function(
             x32 = torch.randn(m, qw.shape[1], generator=gen)
             for x in (x32, x32.bfloat16()):
                 for w in layouts:
-                    assert_matches_reference(portable.linear(x, w, bias), x, qw, bias)
+                    y = portable.linear(x, w, bias)
+                    assert_matches_reference(y, x, qw, bias)
+                    if simd == "avx512" and m <= 4:  # the streaming path, as the host's
+                        assert torch.equal(y, ops.linear(x, w, bias))
                 assert_matches_reference(ops.linear(x, qw, bias), x, qw, bias)
     # fp16 scales below 2**-14 are subnormal: the portable converter must widen them exactly
     d = torch.tensor([2**-20, -(2**-15), 6e-8], dtype=torch.float16).view(torch.uint8)
