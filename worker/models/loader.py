@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from hotpool.worker.models.families import SUPPORTED_ARCHITECTURES, family_for
-from hotpool.worker.models.few_rows_linear import use_few_rows_linears
+from hotpool.worker.models.few_rows_linear import few_rows_pay, use_few_rows_linears
 from hotpool.worker.models.llama import LlamaModel, local_rotary_for, rotary_for
 from hotpool.worker.models.packed_linear import pack_linears, packing_available
 from hotpool.worker.models.quantize import QUANTIZATIONS, check_quantization, quantize_model
@@ -33,7 +33,7 @@ def load_model(
 ) -> LlamaModel:
     """Load a HF-format checkpoint of a supported family. ``dtype=None`` keeps the
     checkpoint's dtype; ``pack`` prepacks linear weights where that is faster (bf16 on
-    CPU; fp32 on CPU gets :mod:`few_rows_linear`);
+    CPU; fp32 on CPU gets :mod:`few_rows_linear` where it measures faster);
     ``quantization`` (none, int8, gguf) serves the linear layers quantized (:mod:`quantize`).
     """
     config = json.loads((path / "config.json").read_text())
@@ -83,6 +83,6 @@ def load_model(
             raise ModelLoadError(f"{arch}: {exc}") from None
     if pack and packing_available(device, target):
         pack_linears(model)  # what stayed dense
-    elif pack and device.type == "cpu" and target == torch.float32:
+    elif pack and device.type == "cpu" and target == torch.float32 and few_rows_pay(model):
         use_few_rows_linears(model)  # what stayed dense: decode rows at the copy bandwidth
     return model
