@@ -3,7 +3,9 @@
  * Included by quant_ops.c inside #ifdef HQ_AVX512 (one translation unit, one build). */
 
 /*
- * The AVX-512 paths (Intel from Sapphire Rapids, AMD from Zen 4). Every format is blocks
+ * The AVX-512 paths (Intel from Cascade Lake, AMD from Zen 4; the panels and AMX tiles need
+ * AVX-512 BF16: Sapphire Rapids on, Zen 4; without it, rows past the streaming path take the
+ * tiled path of quant_ops.c). Every format is blocks
  * of 32 weights q * D + MB with integer q (int8 and Q8_0: -128..127, Q4_*: 0..15); the
  * block's scale D and offset MB come from its header (int8: D = 1, its scale is applied to
  * the finished dot product).

@@ -1,6 +1,6 @@
 /* quant_panels.c: the vdpbf16ps panel path (AVX-512 without AMX)
  * and linear512, the row layout's entry.
- * Included by quant_ops.c inside #ifdef HQ_AVX512 (one translation unit, one build). */
+ * Included by quant_ops.c inside #ifdef HQ_AVX512BF16 (one translation unit, one build). */
 
 /* The vdpbf16ps panel path (no AMX) */
 /*
