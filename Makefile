@@ -26,7 +26,7 @@ run: install
 ## make test: set up and run the whole test suite
 test: install-test
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=30
 
 lint: install-test
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -31,6 +31,8 @@ const state = {
   charts: {},
   timer: null,
   loading: false,
+  reloadAfter: false, // a range or tenant chosen while a load was in flight
+  signInAttempt: 0, // only the latest sign-in's answer counts
   data: null, // the last data drawn; tests and people debugging can read it
 };
 window.hotpoolDashboard = state;
@@ -136,11 +138,15 @@ function showSignIn(message) {
 }
 
 async function signIn(key) {
+  // The page's own check of a kept key can still be in flight when a person signs in: the
+  // answer of an older attempt must not sign the newer one out (or in).
+  const attempt = ++state.signInAttempt;
   state.key = key;
   let me;
   try {
     me = await api("/v1/me");
   } catch (err) {
+    if (attempt !== state.signInAttempt) return;
     state.key = null;
     sessionStorage.removeItem(KEY_STORAGE);
     if (err.status === 401) {
@@ -150,6 +156,7 @@ async function signIn(key) {
     }
     return;
   }
+  if (attempt !== state.signInAttempt) return;
   if (me.key && !me.admin && !me.key.scopes.includes("usage")) {
     state.key = null;
     showSignIn(`The key ${me.key.prefix} lacks the usage scope; the dashboard needs it.`);
@@ -202,10 +209,15 @@ function window_() {
 }
 
 async function load() {
-  if (state.loading) return;
+  if (state.loading) {
+    // What is in flight was asked for another range or tenant, maybe: ask again after it.
+    state.reloadAfter = true;
+    return;
+  }
   state.loading = true;
   const w = window_();
-  const common = { start_time: w.start, end_time: w.end, tenant: state.tenant };
+  const asked = { range: state.range, tenant: state.tenant };
+  const common = { start_time: w.start, end_time: w.end, tenant: asked.tenant };
   const usage = { ...common, bucket_width: w.width, limit: w.buckets };
   try {
     const [series, byDeployment, byKey, summary] = await Promise.all([
@@ -214,7 +226,7 @@ async function load() {
       api("/v1/usage", { ...usage, group_by: "api_key" }),
       api("/v1/usage/summary", common),
     ]);
-    state.data = { window: w, series, byDeployment, byKey, summary };
+    state.data = { window: w, ...asked, series, byDeployment, byKey, summary };
     draw(state.data);
     showBoardError("");
     $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
@@ -228,6 +240,10 @@ async function load() {
     }
   } finally {
     state.loading = false;
+  }
+  if (state.reloadAfter && state.me) {
+    state.reloadAfter = false;
+    load();
   }
 }
 
@@ -596,11 +612,12 @@ function startRefresh() {
   stopRefresh();
   load();
   state.timer = setInterval(() => {
-    if (!document.hidden) load();
+    if (!document.hidden && !state.loading) load(); // a tick during a slow load waits for the next
   }, REFRESH_MS);
 }
 
 function stopRefresh() {
+  state.reloadAfter = false;
   if (state.timer !== null) clearInterval(state.timer);
   state.timer = null;
 }

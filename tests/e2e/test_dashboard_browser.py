@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ if not Path(CHROMIUM).exists():
         allow_module_level=True,
     )
 sync_api = pytest.importorskip("playwright.sync_api")
+# Web-first assertions: what the page's script renders is waited for, never read once right
+# after a navigation or a click (a loaded CI machine answers the page's requests late).
+expect = sync_api.expect
+expect.set_options(timeout=30_000)
 
 RANGES = ("1h", "24h", "7d", "30d")
 STATUSES = ("completed", "completed", "completed", "partial", "error", "cancelled")
@@ -208,9 +213,17 @@ def _sign_in(page: Any, key: str) -> None:
     page.click("#sign-in-button")
 
 
-def _wait_loaded(page: Any, after: int = 0) -> None:
+def _wait_loaded(page: Any, after: int = 0, range_: str = "", tenant: str | None = None) -> None:
+    """Until the page has drawn data newer than ``after`` (for ``range_`` and ``tenant`` when
+    given: a load already in flight when a range is clicked still draws the old one)."""
     page.wait_for_function(
-        f"() => Number(document.getElementById('board').dataset.loaded || 0) > {after}",
+        """([after, range, tenant]) => {
+            const s = window.hotpoolDashboard;
+            return Number(document.getElementById('board').dataset.loaded || 0) > after
+                && (!range || s.data.range === range)
+                && (tenant === null || s.data.tenant === tenant);
+        }""",
+        arg=[after, range_, tenant],
         timeout=30000,
     )
 
@@ -219,12 +232,31 @@ def _loaded_at(page: Any) -> int:
     return int(page.evaluate("() => document.getElementById('board').dataset.loaded || 0"))
 
 
-def _charts(page: Any) -> dict[str, Any]:
-    """Every chart's labels and datasets, as the page handed them to Chart.js."""
+def _shown(page: Any) -> dict[str, Any]:
+    """Everything the page shows, read in one run of its event loop: an automatic refresh
+    cannot land between two reads and mix two windows' numbers."""
     return page.evaluate(  # type: ignore[no-any-return]
-        """() => Object.fromEntries(Object.entries(window.hotpoolDashboard.charts).map(
-            ([id, c]) => [id, {labels: c.data.labels.map(String), datasets: c.data.datasets.map(
-                d => ({label: d.label, data: d.data.map(v => (v === null ? v : Number(v)))}))}]))"""
+        """() => {
+            const s = window.hotpoolDashboard;
+            const rows = (sel, f) => [...document.querySelectorAll(sel)].map(f);
+            return {
+                window: s.data.window,
+                kpi: Object.fromEntries(["requests", "input", "cached", "output", "cost"].map(
+                    k => [k, document.getElementById(`kpi-${k}`).dataset.value])),
+                charts: Object.fromEntries(Object.entries(s.charts).map(([id, c]) => [id, {
+                    labels: c.data.labels.map(String),
+                    datasets: c.data.datasets.map(d => ({
+                        label: d.label, data: d.data.map(v => (v === null ? v : Number(v)))}))}])),
+                topKeys: rows("#table-top-keys tbody tr",
+                    r => [r.dataset.name, r.dataset.tokens, r.dataset.costMicros]),
+                deployments: rows("#table-deployments tbody tr", r => r.dataset.name),
+                versions: rows("#table-versions tbody tr", r => [r.dataset.name,
+                    Number(r.dataset.version), Number(r.dataset.requests),
+                    Number(r.dataset.errors), Number(r.dataset.tokens)]),
+                versionsVisible: document.getElementById("panel-versions").checkVisibility(),
+                text: document.body.innerText,
+            };
+        }"""
     )
 
 
@@ -244,7 +276,8 @@ def _sums(page_: dict[str, Any], key: Any) -> dict[str, dict[str, int]]:
 
 def _check_against_api(page: Any, board: Board, who: str, tenant: str = "") -> dict[str, Any]:
     """Every number the page shows equals the APIs' for the page's own window."""
-    w = page.evaluate("() => window.hotpoolDashboard.data.window")
+    shown = _shown(page)
+    w = shown["window"]
     params = {"start_time": w["start"], "end_time": w["end"], "bucket_width": w["width"],
               "limit": w["buckets"], **({"tenant": tenant} if tenant else {})}  # fmt: skip
     series = board.get("/v1/usage", who, **params)
@@ -256,13 +289,11 @@ def _check_against_api(page: Any, board: Board, who: str, tenant: str = "") -> d
     total = _sums(series, lambda r: "all").get(
         "all", {"input": 0, "cached": 0, "output": 0, "requests": 0, "cost": 0}
     )
-    kpi = {k: page.get_attribute(f"#kpi-{k}", "data-value")
-           for k in ("requests", "input", "cached", "output", "cost")}  # fmt: skip
-    assert kpi == {"requests": str(total["requests"]), "input": str(total["input"]),
+    assert shown["kpi"] == {"requests": str(total["requests"]), "input": str(total["input"]),
                    "cached": str(total["cached"]), "output": str(total["output"]),
                    "cost": str(total["cost"])}  # fmt: skip
 
-    charts = _charts(page)
+    charts = shown["charts"]
     tokens = charts["chart-tokens"]
     assert len(tokens["labels"]) == len(series["data"]) == w["buckets"]
     assert sum(sum(d["data"]) for d in tokens["datasets"]) == total["input"] + total["output"]
@@ -276,11 +307,7 @@ def _check_against_api(page: Any, board: Board, who: str, tenant: str = "") -> d
         name: sum(d["data"][i] for d in top["datasets"]) for i, name in enumerate(top["labels"])
     }
     assert drawn == {m: g["input"] + g["output"] for m, g in by_model.items()}
-    rows = page.eval_on_selector_all(
-        "#table-top-keys tbody tr",
-        "rows => rows.map(r => [r.dataset.name, r.dataset.tokens, r.dataset.costMicros])",
-    )
-    assert {name: (int(t), int(c or 0)) for name, t, c in rows} == {
+    assert {name: (int(t), int(c or 0)) for name, t, c in shown["topKeys"]} == {
         k: (g["input"] + g["output"], g["cost"]) for k, g in by_key.items()
     }
 
@@ -295,46 +322,38 @@ def _check_against_api(page: Any, board: Board, who: str, tenant: str = "") -> d
         d = next(x for x in summary["deployments"] if x["name"] == name)
         assert latency["datasets"][1]["data"][i] == pytest.approx(d["ttft_seconds"]["p95"])
         assert latency["datasets"][3]["data"][i] == pytest.approx(d["total_seconds"]["p95"])
-    table = page.eval_on_selector_all(
-        "#table-deployments tbody tr", "rows => rows.map(r => r.dataset.name)"
-    )
-    assert table == [d["name"] for d in summary["deployments"]]
+    assert shown["deployments"] == [d["name"] for d in summary["deployments"]]
     # While a canary runs, its versions side by side, as the summary reports them.
-    versions = page.eval_on_selector_all(
-        "#table-versions tbody tr",
-        "rows => rows.map(r => [r.dataset.name, Number(r.dataset.version),"
-        " Number(r.dataset.requests), Number(r.dataset.errors), Number(r.dataset.tokens)])",
-    )
+    versions = shown["versions"]
     assert versions == [
         [d["name"], v["version"], sum(v["requests"].values()),
          v["requests"]["error"] + v["requests"]["partial"], v["input_tokens"] + v["output_tokens"]]
         for d in summary["deployments"] if d["versions"] for v in d["versions"]
     ]  # fmt: skip
-    assert page.is_visible("#panel-versions") == bool(versions)
-    return {"charts": charts, "summary": summary, "by_model": by_model}
+    assert shown["versionsVisible"] == bool(versions)
+    return {"charts": charts, "summary": summary, "by_model": by_model,
+            "names": _visible_names(shown)}  # fmt: skip
 
 
-def _visible_names(page: Any) -> str:
+def _visible_names(shown: dict[str, Any]) -> str:
     """All the text a person can see, plus every chart label and legend."""
-    charts = _charts(page)
+    charts = shown["charts"]
     labels = [str(x) for c in charts.values() for x in c["labels"]]
     legends = [str(d["label"]) for c in charts.values() for d in c["datasets"]]
-    return "\n".join([page.inner_text("body"), *labels, *legends])
+    return "\n".join([shown["text"], *labels, *legends])
 
 
 def test_a_bad_key_gets_a_clear_message(page: Any, board: Board) -> None:
-    assert page.is_visible("#sign-in-form")
+    # The form shows once the page's own /v1/me check has answered (401: no key kept).
+    expect(page.locator("#sign-in-form")).to_be_visible()
     _sign_in(page, "hp_notakey00_0000000000000000")
-    page.wait_for_selector("#sign-in-error:not([hidden])")
-    message = page.inner_text("#sign-in-error")
-    assert message.startswith("This API key was not accepted:"), message
-    assert page.is_hidden("#board")
+    error = page.locator("#sign-in-error")
+    expect(error).to_have_text(re.compile(r"^This API key was not accepted:"))
+    expect(page.locator("#board")).to_be_hidden()
     # A key without the usage scope is turned away with a reason, too.
     _sign_in(page, board.keys["alpha:deploy"])
-    page.wait_for_function(
-        "() => document.getElementById('sign-in-error').textContent.includes('usage scope')"
-    )
-    assert page.is_hidden("#board")
+    expect(error).to_contain_text("lacks the usage scope")
+    expect(page.locator("#board")).to_be_hidden()
 
 
 def test_a_tenant_sees_its_own_totals_in_every_chart_and_range(
@@ -342,20 +361,20 @@ def test_a_tenant_sees_its_own_totals_in_every_chart_and_range(
 ) -> None:
     _sign_in(page, board.keys["alpha:usage"])
     _wait_loaded(page)
-    assert page.inner_text("#who-tenant") == "alpha"
-    assert page.is_hidden("#tenant-filter")  # not an admin
+    expect(page.locator("#who-tenant")).to_have_text("alpha")
+    expect(page.locator("#tenant-filter")).to_be_hidden()  # not an admin
     seen = _check_against_api(page, board, "alpha:usage")
     # The real requests: the live deployment is ready, with a cold start split into phases.
     live = next(d for d in seen["summary"]["deployments"] if d["name"] == "alpha-live")
     assert live["replicas"]["ready"] == 1
     row = page.locator("#table-deployments tbody tr[data-name='alpha-live'] td")
-    assert row.nth(2).inner_text() == "ready"
-    assert live["quantization"] == "none" and row.nth(8).inner_text() == "dense"
+    expect(row.nth(2)).to_have_text("ready")
+    assert live["quantization"] == "none"
+    expect(row.nth(8)).to_have_text("dense")
     spec = live["speculation"]
     assert spec["method"] == "ngram" and spec["num_tokens"] == 3 and spec["proposed"] > 0
     assert 0 <= spec["accepted"] <= spec["proposed"] and spec["replicas"] == 1
-    shown = row.nth(9).inner_text()
-    assert shown.startswith("ngram k=3 · ") and shown.endswith("% accepted"), shown
+    expect(row.nth(9)).to_have_text(re.compile(r"^ngram k=3 · .*% accepted$"))
     cold = seen["charts"]["chart-cold-starts"]
     assert {"load", "warmup"} <= {d["label"] for d in cold["datasets"]}
     canary = next(d for d in seen["summary"]["deployments"] if d["name"] == "alpha-live")
@@ -363,12 +382,12 @@ def test_a_tenant_sees_its_own_totals_in_every_chart_and_range(
         (1, "stable", 75.0), (2, "canary", 25.0)
     ]  # fmt: skip
     assert canary["versions"][1]["requests"]["error"] == 1
-    assert page.is_visible("#panel-versions")
+    expect(page.locator("#panel-versions")).to_be_visible()
     replicas = seen["charts"]["chart-replicas"]
     assert max(next(d for d in replicas["datasets"] if d["label"] == "alpha-live")["data"]) == 1
     # Numbers are for people: a K or M, a currency sign.
-    assert page.inner_text("#kpi-input")[-1] in "KM"
-    assert page.inner_text("#kpi-cost").startswith("$")
+    expect(page.locator("#kpi-input")).to_have_text(re.compile(r"[KM]$"))
+    expect(page.locator("#kpi-cost")).to_have_text(re.compile(r"^\$"))
 
     shot = tmp_path / "dashboard.png"
     page.screenshot(path=str(shot), full_page=True)
@@ -379,17 +398,16 @@ def test_a_tenant_sees_its_own_totals_in_every_chart_and_range(
     for range_ in RANGES:
         before = _loaded_at(page)
         page.click(f"[data-range='{range_}']")
-        _wait_loaded(page, before)
-        _check_against_api(page, board, "alpha:usage")
-        assert "beta" not in _visible_names(page)
+        _wait_loaded(page, before, range_)
+        assert "beta" not in _check_against_api(page, board, "alpha:usage")["names"]
 
 
 def test_the_page_refreshes_by_itself(page: Any, board: Board) -> None:
-    page.wait_for_selector("#sign-in-form")  # the first load has asked /v1/me and settled
+    expect(page.locator("#sign-in-form")).to_be_visible()  # the first /v1/me has settled
     page.goto(f"{board.server.url}/dashboard?refresh=2")
     _sign_in(page, board.keys["alpha:usage"])
     _wait_loaded(page)
-    before = int(page.get_attribute("#kpi-requests", "data-value"))
+    before = int(_shown(page)["kpi"]["requests"])
     db = Database(f"sqlite:///{board.server.home / 'hotpool.db'}")
     try:
         alpha = TenantStore(db).by_name("alpha")
@@ -411,10 +429,10 @@ def test_tenant_b_never_sees_tenant_a(page: Any, board: Board) -> None:
     _wait_loaded(page)
     before = _loaded_at(page)
     page.click("[data-range='30d']")
-    _wait_loaded(page, before)
+    _wait_loaded(page, before, "30d")
     seen = _check_against_api(page, board, "beta:usage")
     assert set(seen["by_model"]) == board.deployments["beta"]
-    assert "alpha" not in _visible_names(page)
+    assert "alpha" not in seen["names"]
 
 
 def test_admin_sees_every_tenant_and_can_filter_by_one(page: Any, board: Board) -> None:
@@ -422,21 +440,21 @@ def test_admin_sees_every_tenant_and_can_filter_by_one(page: Any, board: Board) 
     _wait_loaded(page)
     before = _loaded_at(page)
     page.click("[data-range='30d']")
-    _wait_loaded(page, before)
-    assert page.is_visible("#tenant-filter")
+    _wait_loaded(page, before, "30d")
+    expect(page.locator("#tenant-filter")).to_be_visible()
     everything = _check_against_api(page, board, "alpha:admin")
     assert set(everything["by_model"]) == board.deployments["alpha"] | board.deployments["beta"]
     before = _loaded_at(page)
     page.select_option("#tenant-select", "beta")
-    _wait_loaded(page, before)
+    _wait_loaded(page, before, "30d", "beta")
     only_beta = _check_against_api(page, board, "alpha:admin", tenant="beta")
     assert set(only_beta["by_model"]) == board.deployments["beta"]
-    assert "alpha-chat" not in _visible_names(page)
+    assert "alpha-chat" not in only_beta["names"]
     # Signing out forgets the key: a reload asks for one again.
     page.click("#sign-out")
     page.reload()
-    page.wait_for_selector("#sign-in-form")
-    assert page.is_hidden("#board")
+    expect(page.locator("#sign-in-form")).to_be_visible()
+    expect(page.locator("#board")).to_be_hidden()
 
 
 def test_local_only_mode_needs_no_key_and_says_so(
@@ -452,7 +470,8 @@ def test_local_only_mode_needs_no_key_and_says_so(
         page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
         page.goto(f"{server.url}/dashboard")
         _wait_loaded(page)
-        assert page.is_visible("#local-mode") and page.is_hidden("#sign-in")
-        assert page.get_attribute("#kpi-requests", "data-value") == "0"
+        expect(page.locator("#local-mode")).to_be_visible()
+        expect(page.locator("#sign-in")).to_be_hidden()
+        expect(page.locator("#kpi-requests")).to_have_attribute("data-value", "0")
         context.close()
     assert problems == []
