@@ -469,6 +469,9 @@ class WorkerPool:
             t1 = time.monotonic()
             replica.state = ReplicaState.LOADING
             load = await self.launcher.load(replica.worker, spec)
+            # Its answer is a sign of life: the load's silence must not count against it
+            # at the next reap (a heartbeat sent during the load can arrive after it).
+            self.registry.seen(replica.handle.worker_id)
             phases = {"queue": t0 - replica.requested_at, "start": t1 - t0, **load.phases}
             replica.load = replace(load, phases=phases)
             replica.cold_start_seconds = time.monotonic() - replica.requested_at

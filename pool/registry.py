@@ -42,6 +42,13 @@ class WorkerRegistry:
             raise UnknownWorker(info.worker_id)
         worker.info, worker.last_seen = info, time.monotonic()
 
+    def seen(self, worker_id: str) -> None:
+        """The worker answered a call: as alive as a heartbeat says (a long load can keep
+        its heartbeats late, and a loaded machine later still)."""
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            worker.last_seen = max(worker.last_seen, time.monotonic())
+
     async def wait_registered(self, worker_id: str, timeout_s: float) -> WorkerInfo:
         fut = self._expected.get(worker_id)
         if fut is None:

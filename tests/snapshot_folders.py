@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,15 @@ import pytest
 from hotpool.worker.snapshot.errors import ObjectNotFoundError
 from hotpool.worker.snapshot.manifest import build_manifest, write_manifest
 from hotpool.worker.snapshot.store import ObjectStore
+
+
+@dataclass(frozen=True)
+class PulledSnapshot:
+    """A snapshot made by ``hotpool models pull``, and what the command printed."""
+
+    folder: Path
+    store: str  # the object store's URI it was pulled into
+    output: str
 
 
 def snapshot_folder(folder: Path, weights: bytes = b"w" * 5000, model_type: str = "llama") -> Path:

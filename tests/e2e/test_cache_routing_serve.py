@@ -51,7 +51,7 @@ def server(
     env = {
         "HOTPOOL_MAX_WORKERS": "2",
         "HOTPOOL_WARM_WORKERS": "0",
-        "HOTPOOL_HEARTBEAT_TIMEOUT_S": "4",
+        "HOTPOOL_HEARTBEAT_TIMEOUT_S": "10",  # several beats: a loaded machine delays them
     }
     with running_server(home, uri, env) as srv:
         srv.deploy(NAME, min_replicas=2, max_replicas=2, target_concurrency=2, idle_timeout_s=600)

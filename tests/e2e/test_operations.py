@@ -72,7 +72,7 @@ def test_patch_rolls_replicas_over_without_dropping_a_stream(
         assert "rolled over to version 2" in reasons
 
 
-HEARTBEAT_TIMEOUT_S = 2.5  # the workers beat every 2 s
+HEARTBEAT_TIMEOUT_S = 4.0  # the workers beat every 2 s: one late beat is not a death
 
 
 def test_sigterm_lets_running_streams_finish_and_bills_them(

@@ -22,6 +22,9 @@ from hotpool.kernels.paged_attention import paged_decode, paged_prefill, write_k
 from hotpool.worker.models import attention
 
 BF16_STEP = 2**-7  # relative distance between neighbouring bfloat16 values (at most)
+X86 = platform.machine() in ("x86_64", "AMD64")
+# What CPUs without AVX-512 build (AVX2), or this machine's own code elsewhere.
+PORTABLE_MARCH = "x86-64-v3" if X86 else "native"
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +33,14 @@ def ops() -> cpu_ops.CpuOps:
     if kernels is None:  # the suite runs where a C compiler exists (CI does)
         pytest.fail("the CPU kernels did not build; see the warning logged by cpu_ops.load")
     return kernels
+
+
+@pytest.fixture(scope="module")
+def portable_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding one fresh build (a compile takes seconds: the tests share it)."""
+    folder = tmp_path_factory.mktemp("kernel-build")
+    cpu_ops.build(folder, march=PORTABLE_MARCH)
+    return folder
 
 
 def _bf16(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
@@ -410,13 +421,11 @@ def test_linear_is_float32_accumulation_rounded_once(
     assert (ours.float() - exact).abs().max() <= BF16_STEP * exact.abs().max()
 
 
-@pytest.mark.skipif(
-    platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v3 is an x86 target"
-)
-def test_a_build_without_avx512_computes_the_same_functions(tmp_path: Path) -> None:
+@pytest.mark.skipif(not X86, reason="x86-64-v3 is an x86 target")
+def test_a_build_without_avx512_computes_the_same_functions(portable_dir: Path) -> None:
     """The portable C that CPUs without AVX-512 run (AVX2 here): the linear kernel
     (PackedLinear keeps oneDNN there, but the kernel stays correct) and paged decode."""
-    portable = cpu_ops.CpuOps(cpu_ops.build(tmp_path, march="x86-64-v3"))
+    portable = cpu_ops.CpuOps(cpu_ops.build(portable_dir, march=PORTABLE_MARCH))
     assert not portable.avx512 and not portable.linear_supported(96, 64)
     gen = torch.Generator().manual_seed(11)
     x, w = _bf16(9, 64, gen=gen), _bf16(80, 64, gen=gen, scale=0.2)
@@ -500,12 +509,16 @@ def test_wrappers_reject_what_the_kernels_cannot_read(ops: cpu_ops.CpuOps) -> No
 
 
 def test_build_is_cached_and_reports_a_missing_compiler(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    portable_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    first = cpu_ops.build(tmp_path)
+    (first,) = portable_dir.iterdir()  # the fixture's build, and no temporary beside it
+    assert first.name.startswith("cpu_ops-") and first.suffix == ".so"
     mtime = first.stat().st_mtime_ns
-    assert cpu_ops.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
-    assert not list(tmp_path.glob(".build-*"))  # no temporary left behind
+    assert cpu_ops.build(portable_dir, march=PORTABLE_MARCH) == first
+    assert first.stat().st_mtime_ns == mtime and list(portable_dir.iterdir()) == [first]
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(RuntimeError, match="no C compiler"):

