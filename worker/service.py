@@ -9,10 +9,10 @@ warm up with one short forward pass. A model the worker unloads stays in host me
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -42,6 +42,7 @@ from hotpool.worker.protocol import (
     SpeculativeConfig,
 )
 from hotpool.worker.snapshot.cache import SnapshotCache
+from hotpool.worker.structured.compilers import grammar_compiler
 from hotpool.worker.structured.grammar import GrammarCompiler, GrammarError
 from hotpool.worker.structured.tools import ToolFormat, tool_constraint
 from hotpool.worker.tokenizer import TextTokenizer
@@ -66,33 +67,17 @@ class LoadedModel:
     # Its engine's tokens/s by step size, from the steps after warm-up (the heartbeat's).
     capacity: CapacityMeter = field(default_factory=CapacityMeter)
 
-    def prepare_grammars(self) -> None:
-        """Start building the structured-output compiler in the background: the grammar
-        engine reads the whole vocabulary once (~1 s for SmolLM2's 49k tokens, ~5 s for
-        Gemma's 262k on 2 cores), which neither the cold start nor the first structured
-        request should wait for in full."""
-        if self._grammars is None:
-            self._grammars = Future()
-            threading.Thread(target=self._build_grammars, name="grammars", daemon=True).start()
-
-    def _build_grammars(self) -> None:
-        assert self._grammars is not None
-        try:
-            self._grammars.set_result(
-                GrammarCompiler(
-                    self.tokenizer.to_json(),
-                    self.model.config.vocab_size,
-                    self.tokenizer.eos_token_ids,
-                )
-            )
-        except BaseException as exc:  # reported to the request that needs it
-            self._grammars.set_exception(exc)
+    @property
+    def grammars_built(self) -> bool:
+        """Whether :meth:`grammars` answers without waiting."""
+        return self._grammars is not None and self._grammars.done()
 
     def grammars(self) -> GrammarCompiler:
-        """The structured-output compiler for this model's tokenizer (blocking: waits for
-        :meth:`prepare_grammars`; call it off the event loop)."""
-        self.prepare_grammars()
-        assert self._grammars is not None
+        """The structured-output compiler for this model's tokenizer (blocking, while a
+        build is under way: call it off the event loop). Loads build it before the replica
+        is ready (:mod:`hotpool.worker.structured.compilers` says why)."""
+        if self._grammars is None:
+            self._grammars = grammar_compiler(self.tokenizer, self.model.config.vocab_size)
         return self._grammars.result()
 
 
@@ -178,6 +163,9 @@ class WorkerService:
                 max_model_len=req.max_model_len or self.engine_config.max_model_len,
                 kv_cache_bytes=req.kv_cache_bytes or self.engine_config.kv_cache_bytes,
             )
+            # Built beside the engine's set-up and warm-up, and waited for below: it holds
+            # the GIL, and a worker frozen by it after reporting ready serves nothing.
+            grammars = grammar_compiler(tokenizer, model.config.vocab_size)
             spec, proposer = self._speculation(req, dtype, model, tokenizer, config)
             config = replace(config, speculative=spec)
             try:
@@ -190,15 +178,16 @@ class WorkerService:
                     f"{self.device}: {exc}"
                 ) from exc
             _warm_up(engine)
+            wait_futures([grammars])  # a failed build is the structured request's error
             phases["warmup"] = time.perf_counter() - t2
         except BaseException:
             if pinned:
                 self.cache.unpin(manifest.digest)
             raise
         loaded = LoadedModel(
-            req.deployment, manifest.digest, tokenizer, AsyncEngine(engine), model, key, pinned
-        )
-        loaded.prepare_grammars()
+            req.deployment, manifest.digest, tokenizer, AsyncEngine(engine), model, key, pinned,
+            _grammars=grammars,
+        )  # fmt: skip
         result = LoadResult(
             req.deployment, manifest.digest, tier != "remote", phases, tier,
             kv_block_size=engine.kv_manager.block_size,

@@ -38,6 +38,8 @@ def test_reload_comes_from_host_memory_then_disk_with_the_same_output(
     )
     req = LoadRequest("d", f"file://{smollm2_snapshot_bf16}")
 
+    compilers: list[object] = []
+
     async def scenario() -> list[tuple[str, dict[str, float], str]]:
         seen = []
         for forget_host in (False, False, True):
@@ -45,6 +47,10 @@ def test_reload_comes_from_host_memory_then_disk_with_the_same_output(
                 service.host_cache = HostModelCache(1 << 30)
             result = await service.load(req)
             assert cache.is_pinned(result.digest) == (result.tier != "host")
+            # The structured-output compiler was built before the load answered (building
+            # it holds the GIL: after, it froze a replica that had just said it was ready).
+            assert service.loaded is not None and service.loaded.grammars_built
+            compilers.append(service.loaded.grammars())
             seen.append((result.tier, result.phases, await _answer(service)))
             await service.unload()
             assert not cache.is_pinned(result.digest)  # unloading releases the disk copy
@@ -52,6 +58,8 @@ def test_reload_comes_from_host_memory_then_disk_with_the_same_output(
 
     (first, second, third) = asyncio.run(scenario())
     assert [first[0], second[0], third[0]] == ["remote", "host", "disk"]
+    # A re-warm from RAM kept the tokenizer and its compiler; a load from disk builds anew.
+    assert compilers[1] is compilers[0] and compilers[2] is not compilers[0]
     assert second[1]["load"] == 0.0  # no weights read: they were still in RAM
     assert first[2] == second[2] == third[2] and first[2].strip()
 
