@@ -103,14 +103,23 @@ class HeadCorkedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(corked)  # type: ignore[arg-type]
         self._head_bytes: int | None = 0  # bytes of a request head so far; None: in a body
         self._too_large = False  # the head just parsed is over MAX_HEAD_BYTES
+        self._head_ended = False  # a head ended in the read being parsed
 
     def data_received(self, data: bytes) -> None:
         in_head = self._head_bytes is not None
+        self._head_ended = False
         super().data_received(data)
-        if in_head and self._head_bytes is not None and not self.transport.is_closing():
-            # Still in a head after this read (the parser keeps what it has of it, so this
-            # bounds the memory a head can take); a head that ends in a read is measured
-            # whole in on_headers_complete.
+        if (
+            in_head
+            and not self._head_ended
+            and self._head_bytes is not None
+            and not self.transport.is_closing()
+        ):
+            # Still in the same head after this read (the parser keeps what it has of it,
+            # so this bounds the memory a head can take). A head that ends in a read is
+            # measured whole in on_headers_complete, and the rest of that read is its body
+            # (a whole small request's body, and the next request's head, can share it):
+            # counting that read as head refused valid requests whose body came with it.
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._head_too_large()
@@ -123,6 +132,7 @@ class HeadCorkedHttpToolsProtocol(HttpToolsProtocol):
             self._too_large = True
             raise ValueError("request head too large")
         self._head_bytes = None
+        self._head_ended = True
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:

@@ -43,6 +43,7 @@ from hotpool.platform.middleware import RequestIdMiddleware
 from hotpool.platform.openapi import openapi_json
 from hotpool.platform.router import Router
 from hotpool.platform.scale_log import ScaleEventWriter
+from hotpool.platform.schema_checks import SchemaChecker
 from hotpool.platform.services import Services
 from hotpool.platform.worker_mux import WorkerMuxes
 from hotpool.pool.autoscaler import Autoscaler
@@ -128,6 +129,7 @@ def build_services(
         auth=Authenticator(keys, enabled=settings.auth_enabled),
         tenants=TenantStore(db),
         keys=keys,
+        schemas=SchemaChecker(),
     )
 
 
@@ -219,6 +221,7 @@ def create_app(services: Services) -> Starlette:
             # or to the spool if it is down; nothing metered is lost on a clean stop.
             await services.ledger_writer.close()
             await services.scale_events.close()
+            services.schemas.close()
 
     routes = [
         *openai_routes.routes,

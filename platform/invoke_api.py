@@ -74,6 +74,7 @@ async def invoke(request: Request) -> Response:
     services: Services = request.app.state.services
     name: str = request.path_params["name"]
     call = parse_invoke(await read_json(request), name)
+    await services.schemas.check(principal.tenant_id, call, prefix="params.")
     spec = owned(services.catalog.get(name), principal)
     if spec is None:
         raise APIError(404, f"deployment {name!r} does not exist", code="deployment_not_found")

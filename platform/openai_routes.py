@@ -112,6 +112,7 @@ async def completions(request: Request) -> Response:
 
 async def _complete(request: Request, principal: Principal, call: CompletionCall) -> Response:
     services: Services = request.app.state.services
+    await services.schemas.check(principal.tenant_id, call)
     spec = owned(services.catalog.get(call.model), principal)
     if spec is None:
         raise APIError(

@@ -2,9 +2,11 @@
 
 ``text`` asks for nothing; ``json_object`` for any JSON object; ``json_schema`` for JSON
 valid against ``json_schema.schema`` (OpenAI's shape: ``{"name", "schema", "strict",
-"description"}``). The schema is checked against its JSON Schema metaschema (2020-12, the
-draft OpenAI and the grammar engine follow) so that a malformed one is a 400 naming the
-schema path at once; what the grammar engine cannot express is the worker's 400.
+"description"}``). Here the fields and the size are checked; :func:`check_schema`, which
+checks the schema against its JSON Schema metaschema (2020-12, the draft OpenAI and the
+grammar engine follow) so that a malformed one is a 400 naming the schema path, runs off the
+event loop (:mod:`hotpool.platform.schema_checks`); what the grammar engine cannot express
+is the worker's 400.
 """
 
 from __future__ import annotations
@@ -52,10 +54,17 @@ def parse_response_format(value: Any, param: str = PARAM) -> str | None:
     if strict is not None and not isinstance(strict, bool):
         raise invalid(f"`{where}.strict` must be a boolean", f"{where}.strict")
     schema = spec.get("schema", {})  # OpenAI: no schema allows any JSON value
-    check_schema(schema, f"{where}.schema")
-    text = json.dumps(
-        {"type": "json_schema", "schema": schema, "strict": bool(strict)}, separators=(",", ":")
-    )
+    if not isinstance(schema, dict | bool):
+        raise invalid(f"`{where}.schema` must be a JSON Schema (an object)", f"{where}.schema")
+    # Sized before it is checked: the check grows with the schema, the size is the bound.
+    # Checked against the metaschema later, off the event loop (schema_checks).
+    try:
+        text = json.dumps(
+            {"type": "json_schema", "schema": schema, "strict": bool(strict)},
+            separators=(",", ":"),
+        )
+    except RecursionError:
+        raise invalid(f"`{where}.schema` nests too deeply", f"{where}.schema") from None
     if len(text) > MAX_SCHEMA_BYTES:
         raise invalid(f"`{where}.schema` is larger than {MAX_SCHEMA_BYTES} bytes", where)
     return text

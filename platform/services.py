@@ -21,6 +21,7 @@ from hotpool.platform.ledger_writer import LedgerWriter
 from hotpool.platform.metrics import Metrics
 from hotpool.platform.router import Router
 from hotpool.platform.scale_log import ScaleEventWriter
+from hotpool.platform.schema_checks import SchemaChecker
 from hotpool.pool.autoscaler import Autoscaler
 from hotpool.pool.pool import WorkerPool
 from hotpool.pool.registry import WorkerRegistry
@@ -50,6 +51,7 @@ class Services:
     auth: Authenticator
     tenants: TenantStore
     keys: KeyStore
+    schemas: SchemaChecker
 
     def begin_shutdown(self) -> None:
         """A graceful stop begins (before the listener closes): running streams go on, but

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotpool.platform.errors import invalid
-from hotpool.platform.response_format import MAX_SCHEMA_BYTES, check_schema
+from hotpool.platform.response_format import MAX_SCHEMA_BYTES
 
 MAX_TOOLS = 128  # as OpenAI allows
 MAX_CALL_ID = 256  # characters of a tool call's id
@@ -53,7 +53,10 @@ def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolSpec:
             f"`parallel_tool_calls` has the wrong type ({type(parallel).__name__})",
             "parallel_tool_calls",
         )
-    text = json.dumps(checked, separators=(",", ":")) if checked else None
+    try:
+        text = json.dumps(checked, separators=(",", ":")) if checked else None
+    except RecursionError:
+        raise invalid("a tool's `parameters` nest too deeply", "tools") from None
     if text is not None and len(text) > MAX_SCHEMA_BYTES:
         raise invalid(f"`tools` are larger than {MAX_SCHEMA_BYTES} bytes", "tools")
     return ToolSpec(text, _choice(choice, names), parallel is not False)
@@ -92,8 +95,7 @@ def _parameters(schema: Any, param: str) -> dict[str, Any]:
     kind = schema.get("type", "object")
     if kind != "object":
         raise invalid(f'`{param}.type` must be "object": arguments are an object', f"{param}.type")
-    check_schema(schema, param)
-    return schema
+    return schema  # checked against the metaschema off the event loop (schema_checks)
 
 
 def _choice(raw: Any, names: list[str]) -> str:

@@ -4,7 +4,10 @@ invoke route, the ledger's usage, and schema errors as 400s that name the path."
 
 from __future__ import annotations
 
+import itertools
 import json
+import threading
+import time
 from typing import Literal
 
 import httpx
@@ -95,3 +98,85 @@ def test_a_bad_schema_is_a_400_naming_where(client: OpenAI, schema: object, wher
             model="smollm2", messages=[{"role": "user", "content": "x"}], response_format=fmt
         )
     assert where in str(err.value)
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def _p90(values: list[float]) -> float:
+    return sorted(values)[len(values) * 9 // 10]
+
+
+def _healthz_s(url: str, probes: int = 20) -> list[float]:
+    """The times of ``probes`` spaced /healthz answers."""
+    times = []
+    with httpx.Client(base_url=url, timeout=120) as http:
+        for _ in range(probes):
+            t0 = time.perf_counter()
+            assert http.get("/healthz").status_code == 200
+            times.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+    return times
+
+
+def _stream_waits_s(url: str) -> list[float]:
+    """A 24-token stream's waits: for its first chunk, then between chunks."""
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Count to fifty."}],
+            "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+    arrivals = [time.perf_counter()]
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.perf_counter())
+    return [b - a for a, b in itertools.pairwise(arrivals)]
+
+
+def test_schemas_being_checked_hold_up_no_other_request_or_stream(server: Server) -> None:
+    """Issue 46: jsonschema's check of a large schema ran on the control plane's event loop
+    (a 50,000-property schema held /healthz for 28 s; two clients looping a 190 KB one made
+    its median 10 s and froze streams). Now a schema is sized first and checked elsewhere:
+    /healthz and a stream beside a 3 MB schema and two clients looping distinct 190 KB ones
+    (each wrong only at its end, so checked whole) stay within 100 ms of their idle times
+    (at the 90th percentile: a stall is a few long waits among short ones)."""
+    url = server.url
+    _stream_waits_s(url)  # a replica is up before anything is timed
+    idle_health, idle_gap = _healthz_s(url), _stream_waits_s(url)
+
+    def request(schema: dict[str, object]) -> int:
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        body = {"model": "smollm2", "max_tokens": 1, "response_format": fmt,
+                "messages": [{"role": "user", "content": "JSON"}]}  # fmt: skip
+        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code
+
+    def schema(tag: str, properties: int) -> dict[str, object]:
+        props: dict[str, object] = {f"{tag}{i}": {"type": "integer"} for i in range(properties)}
+        props["last"] = {"type": "strin"}  # a mistake the check finds only at the end
+        return {"type": "object", "properties": props}
+
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def loop(client: int) -> None:
+        n = 0
+        while not stop.is_set():
+            statuses.append(request(schema(f"c{client}n{n}p", 5500)))  # ~190 KB, new each time
+            n += 1
+
+    threads = [threading.Thread(target=loop, args=(c,)) for c in range(4)]
+    huge = threading.Thread(target=lambda: statuses.append(request(schema("h", 90_000))))
+    for t in [huge, *threads]:
+        t.start()
+    try:
+        time.sleep(0.5)
+        busy_health, busy_gap = _healthz_s(url), _stream_waits_s(url)
+    finally:
+        stop.set()
+        for t in [huge, *threads]:
+            t.join(120)
+    assert statuses and set(statuses) <= {400, 429}, statuses  # checked, or told to wait
+    assert _median(busy_health) < _median(idle_health) + 0.1, (idle_health, busy_health)
+    # The stream's first token (a blocked loop held it for seconds), and its tokens after.
+    assert busy_gap[0] < idle_gap[0] + 0.1, (idle_gap, busy_gap)
+    assert _p90(busy_gap[1:]) < _p90(idle_gap[1:]) + 0.1, (idle_gap, busy_gap)

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from hotpool.platform.errors import APIError
+from hotpool.platform.errors import APIError, invalid
+from hotpool.platform.schema_checks import check_texts, request_schemas
 from hotpool.platform.schemas import parse_chat
 from hotpool.worker.protocol import ChatMessage, GenerateRequest
 
@@ -78,8 +79,12 @@ def test_the_worker_request_carries_the_tools() -> None:
 
 
 def _rejects(body: dict[str, Any], param: str) -> str:
+    """The 400 for ``body``: from parsing it, or from checking its schemas (which the
+    routes run off the event loop, hotpool.platform.schema_checks)."""
     with pytest.raises(APIError) as info:
-        parse_chat(body)
+        verdict = check_texts(request_schemas(parse_chat(body)))
+        if verdict.message is not None:
+            raise invalid(verdict.message, verdict.param)
     assert info.value.status == 400
     assert info.value.param == param, info.value.message
     return info.value.message
