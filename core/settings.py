@@ -65,6 +65,12 @@ class Settings:
     # and output are logged, each cut to N characters.
     log_prompts: int = 0
     auth: str = "auto"  # keys: API keys required; none: local-only; auto: none on loopback
+    # A key check that the database does not answer within this is given up on (a frozen
+    # database must not hang every request)...
+    auth_timeout_s: float = 2.0
+    # ...and a key checked within this many seconds is honoured while the database cannot
+    # answer (revoked ones stay refused as last seen); any other key is then a 503.
+    auth_grace_s: float = 300.0
     kv_cache_bytes: int = 1 << 30  # per worker
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -276,6 +282,8 @@ def _load(env: Mapping[str, str]) -> Settings:
         log_format=_parse(env, "HOTPOOL_LOG_FORMAT", "text", _one_of(("text", "json"))),
         log_prompts=_parse(env, "HOTPOOL_LOG_PROMPTS", 0, _off_or_positive_int),
         auth=_parse(env, "HOTPOOL_AUTH", "auto", _one_of(AUTH_MODES)),
+        auth_timeout_s=_parse(env, "HOTPOOL_AUTH_TIMEOUT_S", 2.0, _positive_float),
+        auth_grace_s=_parse(env, "HOTPOOL_AUTH_GRACE_S", 300.0, _non_negative_float),
         kv_cache_bytes=_parse(env, "HOTPOOL_KV_CACHE_BYTES", 1 << 30, _byte_size),
         max_num_seqs=_parse(env, "HOTPOOL_MAX_NUM_SEQS", 64, _positive_int),
         max_num_batched_tokens=_parse(env, "HOTPOOL_MAX_NUM_BATCHED_TOKENS", 2048, _positive_int),

@@ -126,7 +126,12 @@ def build_services(
         autoscaler=autoscaler,
         metrics=metrics,
         worker_token=worker_token,
-        auth=Authenticator(keys, enabled=settings.auth_enabled),
+        auth=Authenticator(
+            keys,
+            enabled=settings.auth_enabled,
+            timeout_s=settings.auth_timeout_s,
+            grace_s=settings.auth_grace_s,
+        ),
         tenants=TenantStore(db),
         keys=keys,
         schemas=SchemaChecker(),

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.requests import Request
 
 from hotpool.billing.deployments import DeploymentSpec
@@ -63,8 +64,14 @@ LOCAL = Principal(DEFAULT_TENANT_ID, None)
 
 @dataclass(frozen=True)
 class _Checked:
-    key: ApiKeyRecord
+    key: ApiKeyRecord | None  # None: unknown or revoked
     at: float  # when the lookup that found it started (the database was at least this fresh)
+
+
+# What a key lookup raises when the database cannot answer (it is down, unreachable, out of
+# connections): the request is then answered from the grace period, or 503. Anything else
+# is a bug, and stays a 500.
+DATABASE_ERRORS = (SQLAlchemyError, OSError, TimeoutError)
 
 
 class Authenticator:
@@ -74,13 +81,26 @@ class Authenticator:
     burst missed at once and each sent its own lookup to the thread pool (32 streams: 32
     queries, the last one waiting behind the other 31), which showed as tens of ms of TTFT.
     Now they share one lookup, and a key in use is re-checked ahead of its expiry.
+
+    Why the grace period: the database is not on the serving path (usage goes to the spool
+    while it is down), and a key check must not put it there. A lookup waits at most
+    ``timeout_s``; while lookups fail, a key checked within ``grace_s`` is answered as last
+    seen (an active key served, a revoked or unknown one refused) without waiting, one
+    lookup at a time probes the database, and a key never seen is a 503 with Retry-After.
     """
 
     def __init__(
-        self, keys: KeyStore, enabled: bool, clock: Callable[[], float] = time.monotonic
+        self,
+        keys: KeyStore,
+        enabled: bool,
+        clock: Callable[[], float] = time.monotonic,
+        timeout_s: float = 2.0,
+        grace_s: float = 300.0,
     ) -> None:
         self.keys = keys
         self.enabled = enabled
+        self.timeout_s = timeout_s
+        self.grace_s = grace_s
         self._clock = clock
         self._touched: dict[int, float] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -89,6 +109,8 @@ class Authenticator:
         # Bumped by forget(): a lookup that started before a revocation does not cache
         # the key it read (it may have read it before the revocation committed).
         self._epoch = 0
+        self.database_failing = False  # the last lookup to end failed or timed out
+        self.served_from_grace = 0  # requests answered from the grace period
 
     async def principal(self, request: Request) -> Principal:
         if not self.enabled:
@@ -122,9 +144,52 @@ class Authenticator:
                 if age >= KEY_REFRESH_S and digest not in self._lookups:
                     self._lookup(digest, token)  # in the background; this request goes on
                 return hit.key
-        # shield: a caller that gives up (its client left) must not cancel the lookup
-        # that the other callers of the same key are waiting on.
-        return await asyncio.shield(self._lookup(digest, token))
+        if self.database_failing:
+            if hit is not None and self._clock() - hit.at < self.grace_s:
+                self._probe(digest, token)
+                return self._from_grace(hit)
+            if self._lookups and digest not in self._lookups:
+                # A lookup is already finding out whether the database is back: one more
+                # would only hold another thread on a database that does not answer.
+                raise self._unavailable()
+        try:
+            # shield: a caller that gives up (its client left, or the timeout) must not
+            # cancel the lookup that the other callers of the same key are waiting on.
+            return await asyncio.wait_for(
+                asyncio.shield(self._lookup(digest, token)), self.timeout_s
+            )
+        except DATABASE_ERRORS as exc:
+            if isinstance(exc, TimeoutError):
+                self.database_failing = True
+            if hit is not None and self._clock() - hit.at < self.grace_s:
+                return self._from_grace(hit)
+            raise self._unavailable() from None
+
+    def _unavailable(self) -> APIError:
+        return APIError(
+            503,
+            "API keys cannot be checked right now: the database is not answering. Retry "
+            f"shortly (keys checked in the last {self.grace_s:g} s keep working meanwhile).",
+            code="auth_unavailable",
+            retry_after_s=5,
+        )
+
+    def _from_grace(self, hit: _Checked) -> ApiKeyRecord | None:
+        self.served_from_grace += 1
+        if self.served_from_grace % 1000 == 1:
+            log.warning(
+                "the database is not answering key checks: honouring keys as last checked "
+                "(up to %g s ago); %d requests so far",
+                self.grace_s,
+                self.served_from_grace,
+            )
+        return hit.key
+
+    def _probe(self, digest: bytes, token: str) -> None:
+        """While lookups fail: one lookup at a time in the background finds out whether the
+        database is back (more would only stack threads up on a frozen one)."""
+        if not self._lookups:
+            self._lookup(digest, token)
 
     def _lookup(self, digest: bytes, token: str) -> asyncio.Task[ApiKeyRecord | None]:
         """The lookup of ``token`` in flight, started if there is none."""
@@ -136,21 +201,27 @@ class Authenticator:
         async def lookup() -> ApiKeyRecord | None:
             try:
                 key = await asyncio.to_thread(self.keys.authenticate, token)
+            except DATABASE_ERRORS:
+                self.database_failing = True
+                raise
             finally:
                 if self._lookups.get(digest) is task:  # not if forget() let a new one start
                     del self._lookups[digest]
-            if key is None:
-                self._cache.pop(digest, None)
-            elif epoch == self._epoch:
+            self.database_failing = False
+            if epoch == self._epoch:
                 if len(self._cache) > 10_000:  # keys are few; this only bounds a flood
                     self._cache.clear()
+                # An unknown or revoked key is remembered too: while the database is down it
+                # stays refused (401) rather than becoming a 503.
                 self._cache[digest] = _Checked(key, started)
+            elif key is None:
+                self._cache.pop(digest, None)
             return key
 
         task = asyncio.get_running_loop().create_task(lookup())
         self._lookups[digest] = task
         # A background refresh's failure (database down) is logged here; the cached
-        # check stands until it expires, and then a request's own lookup raises.
+        # check stands until it expires, and then the grace period or a 503 answers.
         task.add_done_callback(_log_failure)
         return task
 
@@ -163,6 +234,8 @@ class Authenticator:
         self._lookups.clear()
 
     def _touch(self, key: ApiKeyRecord) -> None:
+        if self.database_failing:  # bookkeeping can wait; a thread held on it cannot
+            return
         now = time.monotonic()
         if now - self._touched.get(key.id, -TOUCH_EVERY_S) < TOUCH_EVERY_S:
             return

@@ -6,8 +6,9 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Match
 
@@ -110,6 +111,27 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
+async def database_error_handler(request: Request, exc: Exception) -> Response:
+    """The database could not be reached or lost the connection: the client may retry, and
+    nothing about it is a bug in hotpool (the statement's text stays in the log)."""
+    log.warning(
+        "the database did not answer %s %s: %s", request.method, request.url.path,
+        str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+    )  # fmt: skip
+    return APIError(
+        503, "the database is not answering; retry shortly", code="database_unavailable",
+        retry_after_s=5,
+    ).response()  # fmt: skip
+
+
+async def client_disconnect_handler(request: Request, _: Exception) -> Response:
+    """The client went away while its request body was being read: nobody is left to
+    answer, and it is no error of the server's. 499, as nginx logs it."""
+    log.info("client disconnected during the request body of %s %s", request.method,
+             request.url.path)  # fmt: skip
+    return Response(status_code=499)
+
+
 async def unhandled_error_handler(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return APIError(
@@ -120,5 +142,10 @@ async def unhandled_error_handler(request: Request, exc: Exception) -> Response:
 EXCEPTION_HANDLERS = {
     APIError: api_error_handler,
     HTTPException: http_exception_handler,
+    # Connection-level failures only: a constraint violation (IntegrityError) or a bad
+    # statement (ProgrammingError) is a bug, and stays a 500.
+    OperationalError: database_error_handler,
+    InterfaceError: database_error_handler,
+    ClientDisconnect: client_disconnect_handler,
     Exception: unhandled_error_handler,
 }

@@ -26,7 +26,9 @@ from server_process import running_server, worker_pids
 from sqlalchemy import create_engine, make_url, pool, text
 
 from hotpool.billing.db import Database
+from hotpool.billing.keys import KeyStore, parse_scopes
 from hotpool.billing.ledger import Ledger, UsageRecord
+from hotpool.billing.models import DEFAULT_TENANT_ID
 from hotpool.platform.inflight import RESTART_ERROR
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -44,6 +46,8 @@ class TcpProxy:
         self.port: int = self.listener.getsockname()[1]
         self.up = True
         self.refused = 0
+        self.frozen = threading.Event()  # clear: frozen
+        self.frozen.set()
         self._socks: set[socket.socket] = set()
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
@@ -57,6 +61,14 @@ class TcpProxy:
 
     def restore(self) -> None:
         self.up = True
+
+    def freeze(self) -> None:
+        """Hold every byte either way, and let new connections in to hang (as a database
+        process that is stopped, not gone: the client's reads wait, nothing is refused)."""
+        self.frozen.clear()
+
+    def thaw(self) -> None:
+        self.frozen.set()
 
     def close(self) -> None:
         self.cut()
@@ -86,6 +98,7 @@ class TcpProxy:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                self.frozen.wait()
                 dst.sendall(data)
         except OSError:
             pass
@@ -147,6 +160,21 @@ def _ledger(database_url: str) -> dict[str, list[UsageRecord]]:
         db.dispose()
 
 
+def _billed_once(
+    ids: set[str], spool: Path, database_url: str, timeout_s: float
+) -> dict[str, list[UsageRecord]]:
+    """The ledger once the spool is replayed and holds every one of ``ids``, each once."""
+
+    def replayed() -> bool:
+        spooled = any(spool.glob("usage*.jsonl"))
+        return not spooled and ids <= _ledger(database_url).keys()
+
+    _wait_for("the spool to be replayed", replayed, timeout_s)
+    rows = _ledger(database_url)
+    assert {rid: len(rows[rid]) for rid in ids} == dict.fromkeys(ids, 1)
+    return rows
+
+
 def _wait_for(what: str, check: object, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():  # type: ignore[operator]
@@ -196,13 +224,7 @@ def test_postgres_cut_for_seconds_under_load_loses_no_request_and_doubles_none(
         ids = {first.headers["x-request-id"]} | {rid for rid, _, _ in sent}
         assert len(ids) == len(sent) + 1
 
-        def replayed() -> bool:
-            spooled = any((tmp_path / "spool").glob("usage*.jsonl"))
-            return not spooled and ids <= _ledger(database_url).keys()
-
-        _wait_for("the spool to be replayed", replayed, 30)
-        rows = _ledger(database_url)
-        assert {rid: len(rows[rid]) for rid in ids} == dict.fromkeys(ids, 1)
+        rows = _billed_once(ids, tmp_path / "spool", database_url, 30)
         assert all(rows[rid][0].completion_tokens == 2 for rid in ids)
         assert "spooling" in srv.log()
 
@@ -242,3 +264,85 @@ def test_a_stream_cut_by_kill_9_is_billed_as_partial_after_the_restart(
         assert 16 <= row.completion_tokens < 400 and row.prompt_tokens > 0
         assert "left unrecorded (1 cut short)" in srv.log()
         assert json.loads(httpx.get(f"{srv.url}/readyz").text)["status"] == "ready"
+
+
+def test_keys_auth_rides_out_a_database_stopped_then_frozen(
+    tmp_path: Path, smollm2_snapshot_bf16: Path, database_url: str, proxy: TcpProxy
+) -> None:
+    """Issue 46: with HOTPOOL_AUTH=keys, PostgreSQL stopped for 20 s made 97% of requests
+    500s, and frozen it hung every request. Now a key checked recently is served through
+    both (no request waits past the lookup timeout and a little), a key never checked is a
+    503 with Retry-After, and every request served is billed once the database is back."""
+    store_db = Database(database_url)
+    store = KeyStore(store_db)
+    _, key = store.create(DEFAULT_TENANT_ID, parse_scopes("invoke"))
+    _, unseen = store.create(DEFAULT_TENANT_ID, parse_scopes("invoke"))
+    store_db.dispose()
+    uri = f"file://{smollm2_snapshot_bf16}"
+    env = {
+        "HOTPOOL_DATABASE_URL": _through(proxy, database_url),
+        "HOTPOOL_AUTH": "keys",
+        "HOTPOOL_AUTH_TIMEOUT_S": "1",
+        "HOTPOOL_MAX_WORKERS": "1",
+        "HOTPOOL_WARM_WORKERS": "0",
+    }
+    body = {"model": "keyed", "prompt": "One, two,", "max_tokens": 2}
+
+    def post(token: str) -> tuple[httpx.Response, float]:
+        t0 = time.monotonic()
+        r = httpx.post(
+            f"{srv.url}/v1/completions", json=body, timeout=60,
+            headers={"authorization": f"Bearer {token}"},
+        )  # fmt: skip
+        return r, time.monotonic() - t0
+
+    with running_server(tmp_path, uri, env, f"keyed={uri}") as srv:
+        first, _ = post(key)  # the cold start, and the key's first check
+        assert first.status_code == 200, first.text
+        sent: list[tuple[str, int, float]] = []  # request id, status, seconds
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                r, took = post(key)
+                sent.append((r.headers["x-request-id"], r.status_code, took))
+
+        threads = [threading.Thread(target=load) for _ in range(3)]
+        for t in threads:
+            t.start()
+        others: list[tuple[str, httpx.Response, float]] = []  # keys never checked, mid-outage
+        try:
+            time.sleep(1)
+            for outage, begin, end in (("stopped", proxy.cut, proxy.restore),
+                                       ("frozen", proxy.freeze, proxy.thaw)):  # fmt: skip
+                begin()
+                time.sleep(3)  # past the key cache: every check now needs the database
+                others += [(outage, *post(unseen)), (outage, *post("hp_not_a_key_at_all"))]
+                time.sleep(1)
+                end()
+                time.sleep(2)
+        finally:
+            proxy.restore()
+            proxy.thaw()
+            stop.set()
+            for t in threads:
+                t.join()
+        back, _ = post(unseen)  # checked now that the database answers
+        assert back.status_code == 200, back.text
+
+        statuses = [status for _, status, _ in sent]
+        assert set(statuses) == {200} and len(statuses) >= 20, statuses
+        assert max(took for _, _, took in sent) < 5  # the 1 s lookup timeout, and serving
+        for i, (outage, r, took) in enumerate(others):
+            assert took < 5, (outage, took)
+            if i % 2:  # not a key at all: refused without asking the database
+                assert r.status_code == 401, (outage, r.text)
+                continue
+            assert r.status_code == 503, (outage, r.text)
+            assert r.headers["retry-after"] == "5"
+            assert r.json()["error"]["code"] == "auth_unavailable"
+        ids = {first.headers["x-request-id"], back.headers["x-request-id"]}
+        ids |= {rid for rid, _, _ in sent}
+
+        _billed_once(ids, tmp_path / "spool", database_url, 60)
+        assert " 500 " not in srv.log() and "Traceback" not in srv.log()

@@ -1163,3 +1163,48 @@ def test_the_invocations_are_served_past_starlettes_routing(client: TestClient) 
             assert r.headers["x-request-id"].startswith("req_")
     finally:
         app.middleware_stack = stack  # type: ignore[attr-defined]
+
+
+def test_a_database_that_refuses_connections_is_a_503_not_a_500(
+    client: TestClient, services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A route that reads the database while it is unreachable (a real driver, a port
+    where nothing listens): 503 with Retry-After, never 'a bug in hotpool'."""
+    down = Database("postgresql+psycopg2://postgres@127.0.0.1:1/test")
+    monkeypatch.setattr(services.tenants, "db", down)
+    try:
+        r = client.get("/v1/usage", params={"tenant": "alpha"})
+    finally:
+        down.dispose()
+    error = error_of(r, 503)
+    assert error["code"] == "database_unavailable" and r.headers["retry-after"] == "5"
+
+
+def test_a_client_that_leaves_mid_body_is_a_quiet_499(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It was a 500 with a traceback in the log (Starlette's ClientDisconnect)."""
+    messages: list[dict[str, Any]] = [
+        {"type": "http.request", "body": b'{"model": "x", "mess', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+        "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8000),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"4000")],
+    }  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        client.portal.call(client.app, scope, receive, send)  # type: ignore[union-attr]
+    assert sent[0]["status"] == 499
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "Traceback" not in caplog.text

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from sqlalchemy.exc import OperationalError
 from starlette.requests import Request
 
 from hotpool.billing.db import Database
@@ -17,6 +19,8 @@ from hotpool.billing.keys import ApiKeyRecord, KeyStore, parse_scopes
 from hotpool.billing.tenants import TenantStore
 from hotpool.platform.auth import KEY_CACHE_S, KEY_REFRESH_S, Authenticator
 from hotpool.platform.errors import APIError
+
+GRACE_S = 60.0
 
 
 class CountingKeys(KeyStore):
@@ -35,7 +39,7 @@ class CountingKeys(KeyStore):
         if self.held is None or self.lookups in self.held:
             assert self.gate.wait(10), "the test never released the lookup"
         if self.fail:
-            raise RuntimeError("database is down")
+            raise OperationalError("SELECT", {}, ConnectionRefusedError("database is down"))
         return super().authenticate(key)
 
 
@@ -72,7 +76,8 @@ def w(tmp_path: Path) -> Iterator[World]:
     record, plaintext = keys.create(tenant.id, parse_scopes("invoke"))
     clock = Clock()
     try:
-        yield World(keys, plaintext, record.id, clock, Authenticator(keys, True, clock=clock))
+        auth = Authenticator(keys, True, clock=clock, timeout_s=0.2, grace_s=GRACE_S)
+        yield World(keys, plaintext, record.id, clock, auth)
     finally:
         db.dispose()
 
@@ -206,7 +211,7 @@ def test_a_caller_that_gives_up_does_not_cancel_the_others_lookup(w: World) -> N
     assert w.keys.lookups == 1
 
 
-def test_a_failed_refresh_keeps_the_check_until_it_expires(
+def test_a_failed_refresh_keeps_the_check_and_the_grace_period_keeps_it_longer(
     w: World, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def run() -> None:
@@ -218,7 +223,58 @@ def test_a_failed_refresh_keeps_the_check_until_it_expires(
         assert "could not check an API key" in caplog.text
         await w.ask()  # still within KEY_CACHE_S
         w.clock.now += KEY_CACHE_S
-        with pytest.raises(RuntimeError, match="database is down"):
+        await w.ask()  # past it, the database down: honoured as last checked
+        assert w.auth.served_from_grace >= 1 and w.auth.database_failing
+        with pytest.raises(APIError) as err:  # a key never seen cannot be checked: 503
+            await w.auth.principal(_request("hp_never_seen_0000000000"))
+        assert err.value.status == 503 and err.value.retry_after_s == 5
+        assert err.value.code == "auth_unavailable"
+        w.clock.now += GRACE_S
+        with pytest.raises(APIError) as err:  # past the grace period: 503 too
             await w.ask()
+        assert err.value.status == 503
+        w.keys.fail = False  # the database is back: checked again, and served
+        await w.ask()
+        assert not w.auth.database_failing
+
+    asyncio.run(run())
+
+
+def test_a_database_that_does_not_answer_costs_a_request_the_timeout_at_most(w: World) -> None:
+    """A frozen database: the first request waits the timeout, then every key checked
+    within the grace period is served at once (a revoked one still refused), one lookup at
+    a time probes the database, and a key never seen is a 503 at once."""
+
+    async def run() -> None:
+        await w.ask()
+        revoked_record, revoked = w.keys.create(
+            w.keys.authenticate(w.key).tenant_id,
+            parse_scopes("invoke"),  # type: ignore[union-attr]
+        )
+        await w.auth.principal(_request(revoked))
+        KeyStore(w.keys.db).revoke(revoked_record.id)
+        w.clock.now += KEY_CACHE_S - 0.01  # the revocation is seen by a refresh...
+        await w.auth.principal(_request(revoked))
+        await _until(lambda: not w.auth._lookups, "the refresh")
+        w.keys.gate.clear()  # ...and then the database stops answering
+        w.clock.now += KEY_CACHE_S + 0.01
+        lookups = w.keys.lookups
+        t0 = time.monotonic()
+        assert await w.ask() > 0  # waited for the timeout, then served from the grace period
+        assert 0.2 <= time.monotonic() - t0 < 2 and w.auth.database_failing
+        t0 = time.monotonic()
+        for _ in range(20):
+            await w.ask()
+        with pytest.raises(APIError) as err:
+            await w.auth.principal(_request(revoked))
+        assert err.value.status == 401  # revoked as last seen
+        with pytest.raises(APIError) as err:
+            await w.auth.principal(_request("hp_never_seen_0000000000"))
+        assert err.value.status == 503
+        assert time.monotonic() - t0 < 0.2  # nobody waited on the database again
+        assert w.keys.lookups == lookups + 1  # and no lookup was stacked on the first one
+        w.keys.gate.set()
+        await _until(lambda: not w.auth._lookups, "the held lookup")
+        assert not w.auth.database_failing
 
     asyncio.run(run())
