@@ -41,6 +41,7 @@ from hotpool.platform.prompt_hasher import PromptHasher, PromptKey
 from hotpool.pool.capacity import rates
 from hotpool.pool.pool import WorkerPool
 from hotpool.pool.replica import Replica, ReplicaState
+from hotpool.worker.prompt import fewest_tokens, prompt_bytes
 from hotpool.worker.protocol import GenerateRequest
 
 
@@ -69,6 +70,7 @@ DEFAULT_OUTPUT_TOKENS = 128.0  # a request's expected output before its deployme
 MAX_EXPECTED_OUTPUT = 4096.0
 OUTPUT_ALPHA = 0.05  # the mean follows about the last twenty requests
 CHARS_PER_TOKEN = 4
+MAX_ESTIMATE = 1 << 17  # prompt tokens one request is counted for before any replica loaded
 
 
 def user_share(name: str, user: str) -> float:
@@ -204,6 +206,8 @@ class Router:
         spec = target.spec
         max_queue = spec.max_queue or self.max_queue
         timeout_s = spec.queue_timeout_s or self.queue_timeout_s
+        if affinity is not None:
+            self._check_context(spec, affinity.request)
         ready = self._pick(target, avoid, affinity)
         if ready is not None:
             self._admit(spec, *ready, timeout_s)
@@ -217,7 +221,7 @@ class Router:
             )  # fmt: skip
         self.waiting[spec.name] += 1
         self.waiting_for[(spec.name, spec.generation)] += 1
-        tokens = self._prompt_estimate(affinity), self._expected_output(spec.name, affinity)
+        tokens = self._prompt_estimate(affinity, spec), self._expected_output(spec.name, affinity)
         self.waiting_tokens[(spec.name, spec.generation, "prompt")] += tokens[0]
         self.waiting_tokens[(spec.name, spec.generation, "output")] += tokens[1]
         self.on_demand()
@@ -368,7 +372,7 @@ class Router:
         if affinity is None or len(ready) < 2 or not room or self.routing == "least_loaded":
             if affinity is not None and len(ready) > 1:
                 self.decisions[(spec.name, "least_loaded")] += 1
-            return least, self._prompt_estimate(affinity)
+            return least, self._prompt_estimate(affinity, spec)
         keys: dict[tuple[str, int | None], PromptKey | None] = {}
         costs: list[tuple[int, int, Replica, PromptKey, int]] = []
         for r in room:
@@ -379,14 +383,15 @@ class Router:
             if key is None:
                 continue
             cached = r.prefixes.matched(key.hashes) * (r.prefixes.block_size or 0)
-            miss = max(key.tokens - cached, 1)
+            context = (r.load.max_model_len if r.load else None) or key.tokens
+            miss = max(min(key.tokens, context) - cached, 1)  # never more than fits
             cost = r.queued_tokens + miss + DECODE_TOKENS * r.inflight
             costs.append((cost, r.inflight, r, key, miss))
         if not costs:  # the prompt cannot be weighed yet (no tokenizer here yet)
             sticky = self._sticky(room, affinity)
             best = sticky or least
             self.decisions[(spec.name, "least_loaded" if sticky is None else "user")] += 1
-            return best, self._prompt_estimate(affinity)
+            return best, self._prompt_estimate(affinity, spec)
         cost, _, best, key, miss = min(costs, key=lambda c: c[:2])
         if miss < key.tokens:
             why = "prefix"
@@ -401,15 +406,44 @@ class Router:
         self.decisions[(spec.name, why)] += 1
         return best, miss
 
-    @staticmethod
-    def _prompt_estimate(affinity: Affinity | None) -> int:
+    def _prompt_estimate(self, affinity: Affinity | None, spec: DeploymentSpec) -> int:
         """A prompt's tokens when they cannot be counted (no tokenizer here yet): ~4
-        characters a token, as for English text in a BPE vocabulary."""
+        characters a token, as for English text in a BPE vocabulary, and never more than
+        the context holds (a longer prompt is refused by the worker: counted whole, one
+        huge prompt put every other request of the deployment into 429s meanwhile)."""
         if affinity is None:
             return 0
         req = affinity.request
         chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or ())
-        return chars // CHARS_PER_TOKEN + 1
+        limits = self._context_limits(spec)
+        cap = limits[0] if limits is not None else MAX_ESTIMATE
+        return min(chars // CHARS_PER_TOKEN + 1, cap)
+
+    def _context_limits(self, spec: DeploymentSpec) -> tuple[int, int] | None:
+        """The context length and the most bytes a token stands for, as a loaded replica
+        of ``spec``'s version reported them (None before one has loaded)."""
+        for r in self.pool.replicas(spec.name):
+            load = r.load
+            if r.generation == spec.generation and load is not None and load.max_model_len:
+                return load.max_model_len, load.max_token_bytes or 0
+        return None
+
+    def _check_context(self, spec: DeploymentSpec, req: GenerateRequest) -> None:
+        """A 400 before admission for a prompt whose bytes alone prove it longer than the
+        context (what counting it would have cost everyone else: see _prompt_estimate)."""
+        limits = self._context_limits(spec)
+        if limits is None or not limits[1]:
+            return
+        context, token_bytes = limits
+        nbytes = prompt_bytes(req)
+        least = fewest_tokens(nbytes, token_bytes)
+        if least >= context:
+            raise APIError(
+                400, f"this model's maximum context length is {context} tokens; the prompt "
+                f"({nbytes} bytes) is at least {least} tokens",
+                param="messages" if req.messages is not None else "prompt",
+                code="context_length_exceeded",  # OpenAI's, as the worker's (no torch here)
+            )  # fmt: skip
 
     @staticmethod
     def _sticky(room: list[Replica], affinity: Affinity) -> Replica | None:

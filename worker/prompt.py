@@ -34,3 +34,22 @@ def prompt_token_ids(
     if req.messages is not None:
         return tuple(tok.encode_chat(req.messages, tools))
     return tuple(tok.encode(req.prompt or ""))
+
+
+# Text normalization may shrink a text before it is tokenized (a compatibility form, spaces
+# collapsed): the bound below allows for it by this factor.
+NORMALIZATION_SLACK = 2
+
+
+def prompt_bytes(req: GenerateRequest) -> int:
+    """The UTF-8 bytes of the text in ``req``'s prompt or messages (what the template adds
+    only adds tokens)."""
+    if req.messages is not None:
+        return sum(len(m.content.encode()) for m in req.messages)
+    return len((req.prompt or "").encode())
+
+
+def fewest_tokens(nbytes: int, max_token_bytes: int) -> int:
+    """The fewest tokens that ``nbytes`` bytes of text can be: what bounds a prompt against
+    the context before it is tokenized (tokenizing megabytes takes seconds)."""
+    return nbytes // (max(max_token_bytes, 1) * NORMALIZATION_SLACK)

@@ -412,6 +412,10 @@ class LoadResult:
     phases: dict[str, float] = field(default_factory=dict)
     tier: str = "remote"
     kv_block_size: int | None = None  # the engine's, for the router's prompt hashes
+    # The engine's context length, and the most bytes of text a token stands for: the
+    # router refuses a prompt whose bytes alone prove it longer, before it is admitted.
+    max_model_len: int | None = None
+    max_token_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -23,7 +23,7 @@ from hotpool.kernels import cpu_ops, quant_ops
 from hotpool.worker.capacity import CapacityMeter
 from hotpool.worker.choices import Choices, engine_requests
 from hotpool.worker.engine.async_engine import AsyncEngine
-from hotpool.worker.engine.base import EngineRequest, RequestRejected
+from hotpool.worker.engine.base import CONTEXT_LENGTH_EXCEEDED, EngineRequest, RequestRejected
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
 from hotpool.worker.engine.spec.draft import DraftModelProposer
 from hotpool.worker.engine.spec.proposer import Proposer
@@ -32,7 +32,7 @@ from hotpool.worker.models.llama import LlamaModel
 from hotpool.worker.models.loader import DTYPES, ModelLoadError, load_model
 from hotpool.worker.models.packed_linear import cpu_has_native_bf16
 from hotpool.worker.prefix_hash import deployment_salt
-from hotpool.worker.prompt import parse_tools, prompt_token_ids
+from hotpool.worker.prompt import fewest_tokens, parse_tools, prompt_bytes, prompt_token_ids
 from hotpool.worker.protocol import (
     GenerateEvent,
     GenerateRequest,
@@ -190,7 +190,8 @@ class WorkerService:
         )  # fmt: skip
         result = LoadResult(
             req.deployment, manifest.digest, tier != "remote", phases, tier,
-            kv_block_size=engine.kv_manager.block_size,
+            kv_block_size=engine.kv_manager.block_size, max_model_len=engine.max_model_len,
+            max_token_bytes=tokenizer.max_token_bytes,
         )  # fmt: skip
         return result, loaded
 
@@ -276,6 +277,14 @@ class WorkerService:
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None
         tok = loaded.tokenizer
+        least = fewest_tokens(prompt_bytes(req), tok.max_token_bytes)
+        limit = loaded.engine.engine.max_model_len
+        if least >= limit:  # refused without the seconds that tokenizing megabytes takes
+            raise RequestRejected(
+                f"this model's maximum context length is {limit} tokens; the prompt "
+                f"({prompt_bytes(req)} bytes) is at least {least} tokens",
+                CONTEXT_LENGTH_EXCEEDED,
+            )
         ids = prompt_token_ids(tok, req, tools)
         return loaded, engine_requests(req.request_id, ids, req.params, tok.eos_token_ids)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -145,6 +146,16 @@ class TextTokenizer:
         if not text:
             return []
         return list(self._literal.encode(text, add_special_tokens=False).ids)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """At least as many bytes of text as any one token stands for (the UTF-8 of its
+        vocabulary string: a byte-level symbol or a piece's "▁" is longer than the byte
+        it stands for, never shorter), so that a text of N bytes has at least
+        ``N // max_token_bytes`` tokens without being tokenized."""
+        return max(
+            (len(t.encode()) for t in self._tok.get_vocab(with_added_tokens=False)), default=1
+        )
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -110,6 +111,35 @@ def test_client_that_disconnects_is_billed_for_what_it_got(server: Server) -> No
     row = server.ledger_row(request_id)
     assert row.status == "cancelled"
     assert 1 <= row.completion_tokens < 400 and row.prompt_tokens > 0
+
+
+def test_a_prompt_past_the_context_by_megabytes_holds_up_no_other_request(
+    server: Server,
+) -> None:
+    """Issue 46: while a 7.8 MB prompt was counted as ~2M queued tokens (and its worker
+    tokenized it for seconds), 11 of 11 other requests got 429 overloaded with a Retry-After
+    of hours; then the big one got its 400. Now its bytes refuse it before admission."""
+    capacity = f"{server.url}/v1/deployments/smollm2/capacity"
+
+    def measured() -> bool:  # admission in tokens needs the replica's measured rates
+        _chat(server, "Warm up with a few words.", max_tokens=4)
+        return httpx.get(capacity).json()["measured_replicas"] > 0
+
+    server.wait_for("a measured replica", measured, 60)
+    big: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: big.append(_chat(server, "x" * 7_800_000)))
+    thread.start()
+    deadline = time.monotonic() + 5  # until it is admitted (and counted), or answered
+    while thread.is_alive() and time.monotonic() < deadline:
+        if any(r["queued_prompt_tokens"] for r in httpx.get(capacity).json()["replicas"]):
+            break
+        time.sleep(0.02)
+    normal = [_chat(server, f"Say {i}.", max_tokens=2) for i in range(6)]
+    thread.join(120)
+    assert [r.status_code for r in normal] == [200] * 6, [r.text for r in normal]
+    [r] = big
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "messages"
 
 
 def test_bad_requests_get_openai_errors_and_no_worker_time(server: Server) -> None:

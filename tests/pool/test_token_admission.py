@@ -6,6 +6,8 @@ A few long prompts fill a replica this way as many short ones do."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from test_pool_scheduling import _pool, _ready, _spec, run
 from test_token_scaling import CURVE
@@ -80,6 +82,41 @@ def test_below_max_replicas_or_unmeasured_a_long_backlog_is_served() -> None:
             r.capacity = dict(CURVE)
         reps[0].inflight, reps[0].queued_tokens = 3, 9000
         assert await _served(router, max_replicas=2) is reps[1]
+        await router.pool.shutdown()
+
+    run(scenario)
+
+
+def _loaded(rep: Replica, context: int = 2048, token_bytes: int = 16) -> None:
+    assert rep.load is not None
+    rep.load = replace(rep.load, max_model_len=context, max_token_bytes=token_bytes)
+
+
+def test_a_prompt_whose_bytes_prove_it_over_the_context_is_refused_before_admission() -> None:
+    """Issue 46: an 8 MiB prompt was counted as ~2M queued tokens while its worker took
+    seconds to tokenize it, and every other request of the deployment got 429s meanwhile;
+    then it got its own 400. Now the bytes alone refuse it, counted against nothing."""
+
+    async def scenario() -> None:
+        router, (rep,) = await _router(max_replicas=1)
+        _loaded(rep)  # 2048 tokens; no token stands for more than 16 bytes
+        rep.capacity = dict(CURVE)
+        huge = GenerateRequest("h", SamplingParams(max_tokens=8), prompt="x" * (8 << 20))
+        spec = _spec("d", max_replicas=1, target_concurrency=64)
+        with pytest.raises(APIError) as refused:
+            async with router.lease(spec, affinity=Affinity(huge)):
+                pass
+        err = refused.value
+        assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "prompt")
+        assert "maximum context length is 2048 tokens" in err.message
+        assert (rep.inflight, rep.queued_tokens) == (0, 0)
+        # Within the bound (it may fit, only the tokenizer can tell): admitted, and counted
+        # as one context at most, never as its ~4 characters a token.
+        within = GenerateRequest("w", SamplingParams(max_tokens=8), prompt="y" * 60_000)
+        async with router.lease(spec, affinity=Affinity(within)) as lease:
+            assert lease.work is not None and lease.work.prompt == 2048
+            assert rep.queued_tokens == 2048
+            assert await _served(router, max_replicas=1) is rep  # others are not refused
         await router.pool.shutdown()
 
     run(scenario)

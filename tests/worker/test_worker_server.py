@@ -36,6 +36,9 @@ def worker(
         )
         assert r.status_code == 200, r.text
         assert set(r.json()["phases"]) == {"fetch", "load", "warmup"}
+        # What the router bounds prompts with before admitting them (SmolLM2: 8192 tokens;
+        # its longest vocabulary string is a few dozen bytes).
+        assert r.json()["max_model_len"] == 8192 and 8 <= r.json()["max_token_bytes"] <= 256
         yield client
         client.post("/unload", headers=AUTH)
 
@@ -115,6 +118,22 @@ def test_bad_requests_are_400s_before_any_token(worker: TestClient) -> None:
     bad = {"request_id": "g3", "prompt": "hi", "params": {"top_p": 0}}
     r = worker.post("/generate", json=bad, headers=AUTH)
     assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]
+
+
+def test_a_prompt_whose_bytes_prove_it_too_long_is_refused_before_it_is_tokenized(
+    worker: TestClient,
+) -> None:
+    """8 MiB of text took the worker seconds to tokenize (its streams waiting) only to be
+    refused: its bytes alone say it cannot fit, and the refusal says so."""
+    for body in (
+        {"request_id": "b1", "prompt": "internationalization " * 400_000},
+        {"request_id": "b2", "messages": [{"role": "user", "content": "x" * (8 << 20)}]},
+    ):
+        r = worker.post("/generate", json={**body, "params": {"max_tokens": 1}}, headers=AUTH)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+        assert "maximum context length is 8192 tokens; the prompt (" in error["message"]
+        assert "bytes) is at least" in error["message"]  # the bound, not a token count
 
 
 def test_a_message_spelling_a_special_token_is_prompted_as_text(worker: TestClient) -> None:
