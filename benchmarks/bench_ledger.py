@@ -32,12 +32,11 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, func, make_url, pool, select, text
+from scratch_postgres import fresh_database
+from sqlalchemy import func, select
 
 from hotpool.billing.db import Database
 from hotpool.billing.ledger import Ledger, UsageRecord
@@ -149,20 +148,6 @@ async def _request_path(spool: Path | None, requests: int, tokens: int) -> list[
     return costs
 
 
-@contextmanager
-def _postgres(admin_url: str) -> Iterator[str]:
-    name = f"hotpool_bench_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(admin_url, poolclass=pool.NullPool, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
 def _bench_db(name: str, url: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     print(f"[{name}] ingesting {args.events} events through the writer ...", flush=True)
     db = Database(url)
@@ -195,7 +180,7 @@ def main() -> int:
         work = Path(tmp)
         results["sqlite"] = _bench_db("sqlite", f"sqlite:///{work / 'ledger.db'}", work, args)
         if not args.skip_postgres:
-            with _postgres(args.postgres_url) as pg_url:
+            with fresh_database(args.postgres_url, "hotpool_bench") as pg_url:
                 results["postgresql"] = _bench_db("postgresql", pg_url, work, args)
         print(f"[request path] {args.requests} requests of {args.tokens} tokens ...", flush=True)
         on = asyncio.run(_request_path(work / "journal", args.requests, args.tokens))

@@ -7,6 +7,7 @@ only differences live here, in how connections are set up.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
@@ -81,6 +82,14 @@ def _hide_password(url: str) -> str:
         return url
 
 
+def _create_private(path: Path) -> None:
+    """Create the SQLite file readable by its owner only, if it does not exist: it holds the
+    API keys' hashes and every tenant's usage. SQLite gives its -wal and -shm files the
+    database file's mode."""
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+
+
 class StaleSchema(RuntimeError):
     """The database is not at the latest revision (``hotpool db upgrade`` fixes it)."""
 
@@ -111,9 +120,11 @@ class Database:
                 # One shared connection, or each connection would see its own empty database.
                 kwargs["poolclass"] = pool.StaticPool
             else:
-                folder = Path(self.url.database or "").parent
+                path = Path(self.url.database or "")
+                folder = path.parent
                 try:
                     folder.mkdir(parents=True, exist_ok=True)
+                    _create_private(path)
                 except OSError as exc:  # HOTPOOL_HOME a file, a folder not writable...
                     raise DatabaseUnavailable(
                         f"cannot make the folder {folder} for the SQLite database: "

@@ -23,7 +23,9 @@ from sqlalchemy.exc import IntegrityError
 from hotpool.billing.db import Database
 from hotpool.billing.models import ApiKey, Tenant, utcnow
 
-SCOPES = ("deploy", "invoke", "usage", "admin")
+# ``admin`` manages its own tenant's keys and has its every scope; ``operator`` runs the
+# platform: tenants, and every tenant's keys and usage (every scope, in every tenant).
+SCOPES = ("deploy", "invoke", "usage", "admin", "operator")
 KEY_START = "hp_"
 PREFIX_LEN = len(KEY_START) + 8
 KEY_LEN = len(KEY_START) + 40
@@ -54,11 +56,16 @@ class ApiKeyRecord:
         return self.revoked_at is None
 
     def allows(self, scope: str) -> bool:
-        """Whether this key may act in ``scope``: ``admin`` allows every scope, and a revoked
-        key none. ValueError for a scope that does not exist, so a typo cannot pass."""
+        """Whether this key may act in ``scope``: ``operator`` allows every scope, ``admin``
+        every one but ``operator``, and a revoked key none. ValueError for a scope that does
+        not exist, so a typo cannot pass."""
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}; scopes are {', '.join(SCOPES)}")
-        return self.active and (scope in self.scopes or "admin" in self.scopes)
+        if not self.active:
+            return False
+        if scope in self.scopes or "operator" in self.scopes:
+            return True
+        return "admin" in self.scopes and scope != "operator"
 
 
 def parse_scopes(text: str) -> frozenset[str]:
@@ -144,8 +151,9 @@ class KeyStore:
         record = _record(row)
         return record if record.active else None
 
-    def revoke(self, prefix_or_id: str | int) -> ApiKeyRecord:
-        """Revoke a key, named by its prefix (or the whole key) or by its id.
+    def revoke(self, prefix_or_id: str | int, tenant_id: int | None = None) -> ApiKeyRecord:
+        """Revoke a key, named by its prefix (or the whole key) or by its id; with
+        ``tenant_id``, only a key of that tenant (another's is as unknown).
 
         Revoking a revoked key changes nothing and returns it as it is. KeyError if there is
         no such key.
@@ -158,6 +166,8 @@ class KeyStore:
             match = ApiKey.prefix == prefix_or_id[:PREFIX_LEN]
         else:
             raise KeyError(prefix_or_id)
+        if tenant_id is not None:
+            match = match & (ApiKey.tenant_id == tenant_id)
         stmt = update(ApiKey).where(match, ApiKey.revoked_at.is_(None)).values(revoked_at=utcnow())
         with self.db.session() as session, session.begin():
             session.execute(stmt)

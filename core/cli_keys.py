@@ -1,9 +1,9 @@
 """`hotpool tenants` and `hotpool keys`: tenants and their API keys, straight in the database.
 
 These commands talk to the database of the current settings, not to a running server, so
-an operator can make the first admin key before anything serves. Like `hotpool serve`, they
-migrate a SQLite ledger themselves; a server database must be upgraded with
-`hotpool db upgrade` first.
+an operator can make the first operator or admin key before anything serves. Like
+`hotpool serve`, they migrate a SQLite ledger themselves; a server database must be upgraded
+with `hotpool db upgrade` first.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def keys() -> None:
     """API keys: create (shown once), list and revoke.
 
     A key carries scopes: deploy (manage deployments), invoke (run requests), usage (read
-    usage) and admin (everything, including tenants and keys).
+    usage), admin (everything in its tenant, its keys included) and operator (everything in
+    every tenant: tenants, every tenant's keys and usage).
     """
 
 
@@ -70,7 +71,7 @@ def keys() -> None:
     "--scopes",
     required=True,
     metavar="LIST",
-    help="Comma-separated scopes: deploy, invoke, usage, admin.",
+    help="Comma-separated scopes: deploy, invoke, usage, admin, operator.",
 )
 @click.option("--name", "label", help="A label for the key, e.g. who or what uses it.")
 def keys_create(tenant_name: str, scopes: str, label: str | None) -> None:

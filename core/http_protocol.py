@@ -96,7 +96,26 @@ class CorkedTransport:
 class HeadCorkedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol (``Config(http=...)``): response heads held for their
     first body bytes, request heads bounded (431 past ``MAX_HEAD_BYTES``), and the 400 for a
-    request that does not parse as HTTP in the API's error shape."""
+    request that does not parse as HTTP in the API's error shape.
+
+    :meth:`with_read_timeouts` makes the variant that clients face: a request's head must
+    arrive within ``head_timeout_s`` of its first byte (or of the connection), and its body
+    may not pause longer than ``body_timeout_s`` between reads (as nginx's
+    ``client_header_timeout`` and ``client_body_timeout``), or the answer is a 408 and the
+    connection closes. Without them a client could hold a connection, and the request the
+    app had started for it, open for ever by sending nothing more."""
+
+    head_timeout_s: float | None = None
+    body_timeout_s: float | None = None
+
+    @classmethod
+    def with_read_timeouts(
+        cls, head_timeout_s: float, body_timeout_s: float
+    ) -> type[HeadCorkedHttpToolsProtocol]:
+        return type(
+            "ClientFacingHttpProtocol", (cls,),
+            {"head_timeout_s": head_timeout_s, "body_timeout_s": body_timeout_s},
+        )  # fmt: skip
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         corked = CorkedTransport(transport, self.loop)
@@ -104,9 +123,19 @@ class HeadCorkedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes: int | None = 0  # bytes of a request head so far; None: in a body
         self._too_large = False  # the head just parsed is over MAX_HEAD_BYTES
         self._head_ended = False  # a head ended in the read being parsed
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._arm(self.head_timeout_s)  # a connection that says nothing is a slow head
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._arm(None)
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         in_head = self._head_bytes is not None
+        if in_head and self._read_timer is None:
+            self._arm(self.head_timeout_s)  # the first bytes of a kept-alive connection's next
+        elif not in_head:
+            self._arm(self.body_timeout_s)  # the body goes on: its pause starts again
         self._head_ended = False
         super().data_received(data)
         if (
@@ -133,11 +162,39 @@ class HeadCorkedHttpToolsProtocol(HttpToolsProtocol):
             raise ValueError("request head too large")
         self._head_bytes = None
         self._head_ended = True
+        self._arm(self.body_timeout_s)  # cancelled at once by a message without a body
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._head_bytes = 0  # the next request's head, if the connection is kept
+        self._arm(None)  # the next head's clock starts at its first byte
         super().on_message_complete()
+
+    def _arm(self, timeout_s: float | None) -> None:
+        """(Re)start the read timer for ``timeout_s`` seconds (None: stop it)."""
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+        if timeout_s is not None:
+            self._read_timer = self.loop.call_later(timeout_s, self._read_timed_out, timeout_s)
+
+    def _read_timed_out(self, timeout_s: float) -> None:
+        self._read_timer = None
+        if self.transport.is_closing():
+            return
+        if self._head_bytes is None and self.flow.read_paused:
+            self._arm(timeout_s)  # the app is not reading the body yet: not the client's pause
+            return
+        cycle = self.cycle
+        if self._head_bytes is None and cycle is not None and cycle.response_started:
+            self.transport.close()  # the app has answered already; nothing more can be said
+            return
+        where = "its headers" if self._head_bytes is not None else "more of its body"
+        self._refuse(
+            408, b"Request Timeout",
+            f"the request was closed: {where} did not arrive within {timeout_s:g} s",
+            "request_timeout",
+        )  # fmt: skip
 
     def send_400_response(self, msg: str) -> None:  # uvicorn: the request does not parse
         if self._too_large:

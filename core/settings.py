@@ -71,6 +71,10 @@ class Settings:
     # ...and a key checked within this many seconds is honoured while the database cannot
     # answer (revoked ones stay refused as last seen); any other key is then a 503.
     auth_grace_s: float = 300.0
+    # A client's request head must arrive within this of its first byte, and its body may
+    # not pause longer than this between reads, or it gets a 408 (nginx's defaults: 60 s).
+    head_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
     kv_cache_bytes: int = 1 << 30  # per worker
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -284,6 +288,8 @@ def _load(env: Mapping[str, str]) -> Settings:
         auth=_parse(env, "HOTPOOL_AUTH", "auto", _one_of(AUTH_MODES)),
         auth_timeout_s=_parse(env, "HOTPOOL_AUTH_TIMEOUT_S", 2.0, _positive_float),
         auth_grace_s=_parse(env, "HOTPOOL_AUTH_GRACE_S", 300.0, _non_negative_float),
+        head_timeout_s=_parse(env, "HOTPOOL_HEAD_TIMEOUT_S", 30.0, _positive_float),
+        body_timeout_s=_parse(env, "HOTPOOL_BODY_TIMEOUT_S", 60.0, _positive_float),
         kv_cache_bytes=_parse(env, "HOTPOOL_KV_CACHE_BYTES", 1 << 30, _byte_size),
         max_num_seqs=_parse(env, "HOTPOOL_MAX_NUM_SEQS", 64, _positive_int),
         max_num_batched_tokens=_parse(env, "HOTPOOL_MAX_NUM_BATCHED_TOKENS", 2048, _positive_int),

@@ -1,6 +1,9 @@
-"""``/v1/tenants`` and ``/v1/keys``: what an ``admin`` key manages.
+"""``/v1/tenants`` and ``/v1/keys``: what ``operator`` and ``admin`` keys manage.
 
-A key is shown once, in the answer that creates it; afterwards only its prefix is.
+An ``operator`` key runs the platform: it creates and lists tenants, and manages every
+tenant's keys. An ``admin`` key manages its own tenant's keys only: another tenant is as
+unknown to it as to anyone (404), and it cannot mint an ``operator`` key. A key is shown
+once, in the answer that creates it; afterwards only its prefix is.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def _key_json(k: ApiKeyRecord, tenant: str | None) -> dict[str, Any]:
 
 
 async def create_tenant(request: Request) -> Response:
-    await authorize(request, "admin")
+    await authorize(request, "operator")
     services: Services = request.app.state.services
     body = json_object(await read_json(request), {"name"})
     name = body.get("name")
@@ -59,19 +62,19 @@ async def create_tenant(request: Request) -> Response:
 
 
 async def list_tenants(request: Request) -> Response:
-    await authorize(request, "admin")
+    await authorize(request, "operator")
     services: Services = request.app.state.services
     tenants = await asyncio.to_thread(services.tenants.list)
     return JSONResponse({"object": "list", "data": [_tenant_json(t) for t in tenants]})
 
 
 async def create_key(request: Request) -> Response:
-    await authorize(request, "admin")
+    principal = await authorize(request, "admin")
     services: Services = request.app.state.services
     body = json_object(await read_json(request), {"tenant", "scopes", "name"})
     tenant_name, scopes, name = body.get("tenant"), body.get("scopes"), body.get("name")
-    if not isinstance(tenant_name, str):
-        raise invalid("`tenant` must be a tenant's name", "tenant")
+    if tenant_name is not None and not isinstance(tenant_name, str):
+        raise invalid("`tenant` must be a tenant's name (default: the caller's own)", "tenant")
     if not isinstance(scopes, list) or not all(isinstance(s, str) and "," not in s for s in scopes):
         raise invalid(
             "`scopes` must be a list of deploy, invoke, usage, admin (one scope a string)",
@@ -83,8 +86,16 @@ async def create_key(request: Request) -> Response:
         parsed = parse_scopes(",".join(scopes))
     except ValueError as exc:
         raise invalid(str(exc), "scopes") from None
-    tenant = await asyncio.to_thread(services.tenants.by_name, tenant_name)
-    if tenant is None:
+    if "operator" in parsed and not principal.is_operator:
+        raise APIError(
+            403, "only an `operator` key can create `operator` keys", param="scopes",
+            type="permission_error", code="insufficient_scope",
+        )  # fmt: skip
+    if tenant_name is None:
+        tenant = await asyncio.to_thread(services.tenants.get, principal.tenant_id)
+    else:
+        tenant = await asyncio.to_thread(services.tenants.by_name, tenant_name)
+    if tenant is None or not (principal.is_operator or tenant.id == principal.tenant_id):
         raise APIError(404, f"tenant {tenant_name!r} does not exist", param="tenant",
                        code="tenant_not_found")  # fmt: skip
     key, plaintext = await asyncio.to_thread(services.keys.create, tenant.id, parsed, name)
@@ -92,21 +103,23 @@ async def create_key(request: Request) -> Response:
 
 
 async def list_keys(request: Request) -> Response:
-    await authorize(request, "admin")
+    principal = await authorize(request, "admin")
     services: Services = request.app.state.services
     names = {t.id: t.name for t in await asyncio.to_thread(services.tenants.list)}
-    keys = await asyncio.to_thread(services.keys.list)
+    only = None if principal.is_operator else principal.tenant_id
+    keys = await asyncio.to_thread(services.keys.list, only)
     return JSONResponse(
         {"object": "list", "data": [_key_json(k, names.get(k.tenant_id)) for k in keys]}
     )
 
 
 async def revoke_key(request: Request) -> Response:
-    await authorize(request, "admin")
+    principal = await authorize(request, "admin")
     services: Services = request.app.state.services
     prefix = request.path_params["prefix"]
+    only = None if principal.is_operator else principal.tenant_id
     try:
-        key = await asyncio.to_thread(services.keys.revoke, prefix)
+        key = await asyncio.to_thread(services.keys.revoke, prefix, only)
         services.auth.forget(key.id)
     except KeyError:
         raise APIError(

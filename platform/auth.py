@@ -58,6 +58,12 @@ class Principal:
     def is_admin(self) -> bool:
         return self.allows("admin")
 
+    @property
+    def is_operator(self) -> bool:
+        """Whether it reaches across tenants (the platform's operator; everyone in
+        local-only mode)."""
+        return self.allows("operator")
+
 
 LOCAL = Principal(DEFAULT_TENANT_ID, None)
 

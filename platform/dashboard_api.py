@@ -4,7 +4,7 @@
 tenant filter). ``GET /v1/usage/summary`` gives, over a time range, requests by outcome,
 latency percentiles and live replicas per deployment, and the scale events: what the
 ledger's token sums do not. Both follow ``/v1/usage``'s rules: a tenant sees its own
-deployments; an ``admin`` key sees every tenant's and may narrow to one with ``tenant``.
+deployments; an ``operator`` key sees every tenant's and may narrow to one with ``tenant``.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ async def get_me(request: Request) -> Response:
             if key is None
             else {"prefix": key.prefix, "name": key.name, "scopes": sorted(key.scopes)},
             "admin": principal.is_admin,
+            "operator": principal.is_operator,  # sees every tenant
         }
     )
 

@@ -5,8 +5,9 @@ request's life:
 
 - ``open``: request id, deployment, endpoint, tenant, API key id, client request id and
   start time, when the request starts;
-- ``tokens``: its running token counts, at most every ``every_tokens`` tokens or every
-  ``every_s`` seconds, whichever comes first;
+- ``tokens``: its running token counts, at its first output token (with its prompt's
+  tokens), then at most every ``every_tokens`` tokens or every ``every_s`` seconds,
+  whichever comes first;
 - ``end``: its final usage record, when it is submitted to the ledger writer;
 - ``done``: request ids whose records are safe (in the database or the fsynced spool).
 
@@ -20,8 +21,9 @@ its new requests had reached no client yet (and their worker stops with the conn
 and a finished request's missing ``end`` leaves it billed from its last ``tokens`` line.
 ``fsync`` runs in the background every ``sync_interval_s``, so a power loss or kernel crash
 loses at most that much. Token counts are journalled in steps, so a crash under-bills a
-request by less than ``every_tokens`` tokens (or one second of output), never over-bills it;
-a step of 1 would write a line per token.
+request's output by less than ``every_tokens`` tokens (or one second of it), never its prompt
+once its first token is out, and never over-bills it; a step of 1 would write a line per
+token.
 
 On start-up :meth:`recover` reads what a previous process left: a request with an ``end``
 but no ``done`` yields that record, one without an ``end`` a ``partial`` record (``error``
@@ -168,9 +170,15 @@ class InflightJournal:
         if e is None or completion == e.written:
             return
         e.prompt, e.completion, e.cached = prompt, completion, cached
-        # Called per token: only a clock read unless a line is due.
+        # Called per token: only a clock read unless a line is due. The first tokens are
+        # written at once: they carry the prompt's count, often most of what a request
+        # costs, which a crash before the next line would otherwise leave unbilled.
         now = time.monotonic()
-        if completion - e.written >= self.every_tokens or now - e.written_at >= self.every_s:
+        if (
+            not e.written
+            or completion - e.written >= self.every_tokens
+            or now - e.written_at >= self.every_s
+        ):
             e.written, e.written_at, e.at = completion, now, time.time()
             self._write([_tokens_line(request_id, e)])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -196,7 +196,7 @@ async def _sse(
                     usage = event.usage
                 if event.finish_reason == "error":
                     error = APIError(502, f"generation failed: {event.error}")
-                    out.append(data({"error": error.body()["error"]}))
+                    out.append(_error_event(data, error, usage))
                     break
                 i = event.index
                 plain = not (event.logprobs or event.tool_calls)
@@ -226,7 +226,7 @@ async def _sse(
                 final["usage"] = usage_json(usage)
                 out.append(f"data: {json.dumps(final)}\n\n")
         except APIError as exc:  # the stream has started: report in band
-            out.append(data({"error": exc.body()["error"]}))
+            out.append(_error_event(data, exc, usage))
         out.append("data: [DONE]\n\n")
         yield Last("".join(out).encode())
         with contextlib.suppress(APIError):  # the client has it all; the worker's end, then
@@ -234,6 +234,12 @@ async def _sse(
                 pass
     finally:
         await events.aclose()
+
+
+def _error_event(data: Callable[[dict[str, Any]], str], error: APIError, usage: Usage) -> str:
+    """A stream's in-band error, with the usage it is billed for (``partial``: the tokens
+    computed before it, as the ledger keeps them), so a client can see what it paid."""
+    return data({"error": error.body()["error"], "usage": usage_json(usage)})
 
 
 def model_json(spec: DeploymentSpec) -> dict[str, Any]:

@@ -576,6 +576,7 @@ COMPONENTS: dict[str, Schema] = {
             "tenant": every({"id": integer(1), "name": null(STR)}),
             "key": null(every({"prefix": STR, "name": null(STR), "scopes": arr(strings(*SCOPES))})),
             "admin": BOOL,
+            "operator": BOOL,
         }
     ),
     "Percentiles": every({"p50": null(NUM), "p95": null(NUM)}),
@@ -851,11 +852,14 @@ CREATE_TENANT = obj(
 )
 CREATE_KEY = obj(
     {
-        "tenant": text(description="The tenant's name."),
+        "tenant": text(
+            description="The tenant's name (default: the caller's own; another tenant's "
+            "needs an operator key)."
+        ),
         "scopes": arr(strings(*SCOPES), minItems=1),
         "name": null(text(minLength=1, maxLength=KEY_NAME_MAX_LEN)),
     },
-    ("tenant", "scopes"),
+    ("scopes",),
 )
 PRICED_DEPLOYMENT = text(f"^[!-~]{{1,{DEPLOYMENT_MAX_LEN}}}$")  # printable ASCII, no spaces
 CREATE_PRICE = obj(
@@ -971,7 +975,7 @@ def op(
 
 
 TAGS = {"invoke": "invocations", "deploy": "deployments", "usage": "usage", "admin": "admin",
-        None: "operations"}  # fmt: skip
+        "operator": "admin", None: "operations"}  # fmt: skip
 
 
 def param(where: str, name: str, schema: Schema, why: str) -> Schema:
@@ -1025,7 +1029,7 @@ TENANT = param(
     "query",
     "tenant",
     text(maxLength=TENANT_NAME_MAX_LEN),
-    "Only this tenant's usage: any tenant for an admin key, else the key's own (404 otherwise).",
+    "Only this tenant's usage: any tenant for an operator key, else the key's own (404 otherwise).",
 )
 
 PATHS: dict[str, dict[str, Schema]] = {
@@ -1174,7 +1178,7 @@ PATHS: dict[str, dict[str, Schema]] = {
             "usage",
             ok(
                 "Tokens and cost per time bucket, shaped like OpenAI's organization usage API; "
-                "an admin key sees every tenant's.",
+                "an operator key sees every tenant's.",
                 "UsagePage",
             ),
             (400, 404),
@@ -1252,13 +1256,20 @@ PATHS: dict[str, dict[str, Schema]] = {
         ),
     },
     "/v1/tenants": {
-        "get": op("list tenants", "admin", ok("Every tenant.", "TenantList")),
+        "get": op("list tenants", "operator", ok("Every tenant.", "TenantList")),
         "post": op(
-            "create tenant", "admin", ok("The tenant.", "Tenant", "201"), (409,), CREATE_TENANT
+            "create tenant", "operator", ok("The tenant.", "Tenant", "201"), (409,), CREATE_TENANT
         ),
     },
     "/v1/keys": {
-        "get": op("list keys", "admin", ok("Every key, revoked too, newest first.", "ApiKeyList")),
+        "get": op(
+            "list keys",
+            "admin",
+            ok(
+                "The tenant's keys (an operator's: every key), revoked too, newest first.",
+                "ApiKeyList",
+            ),
+        ),
         "post": op(
             "create key",
             "admin",
@@ -1298,10 +1309,11 @@ prices and administration. Errors have OpenAI's shape, `{"error": {"message", "t
 "param", "code"}}`, and every response carries `x-request-id` and `x-hotpool-request-id`.
 
 Send an API key as `Authorization: Bearer hp_...` (`hotpool keys create` makes one). Each
-operation names the scope its key needs: `deploy`, `invoke`, `usage` or `admin` (which has
-them all). In local-only mode (`HOTPOOL_AUTH=none`, the default on loopback) no key is
-needed: every caller is the default tenant with every scope, and every response carries
-`x-hotpool-auth: off`.
+operation names the scope its key needs: `deploy`, `invoke`, `usage`, `admin` (which has
+them all, in its own tenant) or `operator` (every scope in every tenant: tenants, every
+tenant's keys and usage). In local-only mode (`HOTPOOL_AUTH=none`, the default on loopback)
+no key is needed: every caller is the default tenant with every scope, and every response
+carries `x-hotpool-auth: off`.
 """
 
 DOCUMENT: dict[str, Any] = {
@@ -1312,7 +1324,7 @@ DOCUMENT: dict[str, Any] = {
         "description": DESCRIPTION,
         "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
     },
-    "tags": [{"name": tag} for tag in TAGS.values()],
+    "tags": [{"name": tag} for tag in dict.fromkeys(TAGS.values())],  # operator: admin too
     "security": [{"bearerAuth": []}],
     "paths": PATHS,
     "components": {

@@ -170,7 +170,10 @@ def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> Non
         log_config=None,
         timeout_graceful_shutdown=30,
         access_log=False,  # hotpool.access logs each request once it is over (middleware)
-        http=HeadCorkedHttpToolsProtocol,  # a stream's headers and first token in one write
+        # A stream's headers and first token in one write; slow heads and bodies cut off.
+        http=HeadCorkedHttpToolsProtocol.with_read_timeouts(
+            settings.head_timeout_s, settings.body_timeout_s
+        ),
     )
     ControlPlaneServer(config, services.begin_shutdown).run(sockets=[sock])
 

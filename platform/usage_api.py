@@ -8,7 +8,7 @@ comma-separated; ``models`` filters deployments. List parameters may also be spe
 brackets (``group_by[]=model``), as the ``openai`` client sends them. Each result carries
 ``cost``, ``{"value": "0.000150", "currency": "USD"}``: the exact decimal of its integer
 micro-units (``cost_micros``), or null when none of its requests had a price in force.
-``tenant`` (a tenant's name) narrows an ``admin`` key's view to one tenant.
+``tenant`` (a tenant's name) narrows an ``operator`` key's view to one tenant.
 """
 
 from __future__ import annotations
@@ -71,25 +71,25 @@ def time_param(request: Request, name: str) -> datetime | None:
 
 
 async def tenant_filter(request: Request, principal: Principal) -> int | None:
-    """The tenant whose usage the caller asks for: its own, or for ``admin``, the one named
-    by ``tenant`` (None: every tenant). Naming another tenant without ``admin`` is a 404,
-    as an unknown one is, so that names of others do not leak."""
+    """The tenant whose usage the caller asks for: its own, or for ``operator``, the one
+    named by ``tenant`` (None: every tenant). Naming another tenant without ``operator`` is
+    a 404, as an unknown one is, so that names of others do not leak."""
     name = request.query_params.get("tenant")
     if name is None:
-        return None if principal.is_admin else principal.tenant_id
+        return None if principal.is_operator else principal.tenant_id
     services: Services = request.app.state.services
     try:
         check_tenant_name(name)  # a name no tenant can have needs no database query
         tenant = await asyncio.to_thread(services.tenants.by_name, name)
     except ValueError:
         tenant = None
-    if tenant is None or not (principal.is_admin or tenant.id == principal.tenant_id):
+    if tenant is None or not (principal.is_operator or tenant.id == principal.tenant_id):
         raise APIError(404, f"tenant {name!r} not found", param="tenant", code="tenant_not_found")
     return tenant.id
 
 
 async def get_usage(request: Request) -> Response:
-    """A tenant sees its own usage; an ``admin`` key sees every tenant's."""
+    """A tenant sees its own usage; an ``operator`` key sees every tenant's."""
     principal = await authorize(request, "usage")
     services: Services = request.app.state.services
     q = request.query_params

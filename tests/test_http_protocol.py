@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -246,3 +247,47 @@ def test_a_71_kb_body_sent_with_its_head_in_one_write_is_served() -> None:
         head = b"POST / HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 71000\r\n\r\n"
         answer = _raw(url, [head + body])
         assert answer.startswith(b"HTTP/1.1 200") and b"\r\n71000\r\n" in answer
+
+
+def _slow(url: str, parts: list[bytes], pause_s: float) -> tuple[bytes, float]:
+    """Send ``parts`` with ``pause_s`` between them (stopping when the server closes the
+    connection); the answer, and how long until the server closed it."""
+    host, port = url.removeprefix("http://").split(":")
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.settimeout(pause_s)
+        out = b""
+        for part in parts:
+            try:
+                s.sendall(part)
+                while chunk := s.recv(65536):  # wait out the pause, reading any answer
+                    out += chunk
+                break  # the server closed the connection
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+        s.settimeout(10)
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(65536):
+                out += chunk
+        return out, time.monotonic() - t0
+
+
+def test_a_head_or_body_that_stops_coming_is_a_408_and_the_connection_closes() -> None:
+    """Slowloris: a head sent a byte at a time, a silent connection, a body that stalls.
+    Each is cut off at its timeout with a 408 in the API's shape; a client that keeps
+    its body coming within the pause limit is served however long it takes."""
+    protocol = HeadCorkedHttpToolsProtocol.with_read_timeouts(0.5, 0.5)
+    with uvicorn_in_thread(_echo, http=protocol) as url:
+        head = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 6\r\n\r\n"
+        for parts in ([head[i : i + 1] for i in range(len(head))], [b""], [head, b"abc"]):
+            answer, took = _slow(url, parts, pause_s=0.2 if len(parts) > 2 else 2.0)
+            status, headers, error = _error(answer)
+            assert status == 408 and error["code"] == "request_timeout", answer
+            assert headers["connection"] == "close" and 0.4 < took < 5, took
+        # A body in pieces, each within the limit: 1.5 s in all, and served.
+        answer, _ = _slow(url, [head, b"ab", b"cd", b"ef", b""], pause_s=0.3)
+        assert answer.startswith(b"HTTP/1.1 200") and b"\r\n6\r\n" in answer
+    # Without timeouts (the worker's internal API) nothing is cut off.
+    assert HeadCorkedHttpToolsProtocol.head_timeout_s is None

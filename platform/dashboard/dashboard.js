@@ -3,7 +3,7 @@
 //   /v1/me               who the key is (sign-in check, admin or not)
 //   /v1/usage            tokens and cost per bucket (totals, per deployment, per key)
 //   /v1/usage/summary    requests by status, latency, replicas, scale events
-//   /v1/tenants          the tenant filter, for admin keys
+//   /v1/tenants          the tenant filter, for operator keys
 // Every value reaches the DOM through textContent, never as HTML.
 "use strict";
 
@@ -189,7 +189,7 @@ async function setupTenantFilter() {
   const select = $("tenant-select");
   label.hidden = true;
   while (select.options.length > 1) select.remove(1);
-  if (!state.me.admin || state.me.auth === "off") return;
+  if (!state.me.operator || state.me.auth === "off") return;
   try {
     const tenants = await api("/v1/tenants");
     for (const t of tenants.data) select.add(new Option(t.name, t.name));
@@ -542,8 +542,8 @@ function formatSpeculation(s) {
 }
 
 function drawDeployments(summary) {
-  $("table-deployments").classList.toggle("all-tenants", summary.tenant === null && state.me.admin);
-  const showTenant = state.me.admin && state.me.auth !== "off";
+  $("table-deployments").classList.toggle("all-tenants", summary.tenant === null && state.me.operator);
+  const showTenant = state.me.operator && state.me.auth !== "off";
   for (const th of document.querySelectorAll(".tenant-col")) th.hidden = !showTenant;
   const body = $("table-deployments").tBodies[0];
   body.replaceChildren();

@@ -9,7 +9,7 @@ server fails the run with a clear message unless ``HOTPOOL_TEST_SKIP_POSTGRES=1`
 from __future__ import annotations
 
 import os
-import uuid
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +18,9 @@ from sqlalchemy import create_engine, make_url, pool, text
 from sqlalchemy.exc import OperationalError
 
 from hotpool.billing.db import Database
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from scratch_postgres import fresh_database
 
 DEFAULT_POSTGRES_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
 
@@ -51,16 +54,8 @@ def postgres_admin_url() -> str:
 @pytest.fixture(scope="session")
 def postgres_url(postgres_admin_url: str) -> Iterator[str]:
     """A fresh database for this session, dropped at the end."""
-    name = f"hotpool_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(postgres_admin_url, poolclass=pool.NullPool, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(postgres_admin_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with fresh_database(postgres_admin_url, "hotpool_test") as url:
+        yield url
 
 
 def _reset_schema(url: str) -> None:

@@ -197,7 +197,7 @@ def test_a_prefix_clash_draws_a_new_key(store: KeyStore, monkeypatch: pytest.Mon
         ("deploy,invoke", {"deploy", "invoke"}),
         (" invoke , usage ", {"invoke", "usage"}),
         ("invoke,invoke", {"invoke"}),
-        ("deploy,invoke,usage,admin", set(SCOPES)),
+        ("deploy,invoke,usage,admin,operator", set(SCOPES)),
         ("admin,", {"admin"}),
     ],
 )
@@ -230,8 +230,11 @@ def test_allows() -> None:
     assert invoker.allows("invoke") and invoker.allows("usage")
     assert not invoker.allows("deploy") and not invoker.allows("admin")
     admin = _key({"admin"})
-    assert all(admin.allows(scope) for scope in SCOPES)
-    revoked = _key({"admin"}, revoked_at=T0)
+    assert all(admin.allows(scope) for scope in SCOPES if scope != "operator")
+    assert not admin.allows("operator")  # its own tenant only: no reach across tenants
+    operator = _key({"operator"})
+    assert all(operator.allows(scope) for scope in SCOPES)
+    revoked = _key({"operator"}, revoked_at=T0)
     assert not revoked.active
     assert not any(revoked.allows(scope) for scope in SCOPES)
     with pytest.raises(ValueError, match="unknown scope 'invok'"):

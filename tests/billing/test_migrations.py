@@ -461,3 +461,23 @@ def test_in_memory_sqlite_is_one_database_across_connections() -> None:
             assert session.get(Tenant, 1) is not None
     finally:
         db.dispose()
+
+
+def test_a_new_sqlite_ledger_and_its_wal_are_readable_by_their_owner_only(
+    tmp_path: Path,
+) -> None:
+    """It holds every tenant's usage and the API keys' hashes: hotpool.db was made 0644."""
+    path = tmp_path / "home" / "hotpool.db"
+    db = Database(f"sqlite:///{path}")
+    try:
+        db.upgrade()
+        with db.engine.connect() as conn:  # a write, so the write-ahead log exists
+            conn.execute(text("CREATE TABLE probe (x INTEGER)"))
+            conn.commit()
+            files = [p for p in path.parent.iterdir() if p.name.startswith("hotpool.db")]
+            assert {p.name for p in files} >= {"hotpool.db", "hotpool.db-wal"}
+            assert {p.name: p.stat().st_mode & 0o777 for p in files} == {
+                p.name: 0o600 for p in files
+            }
+    finally:
+        db.dispose()

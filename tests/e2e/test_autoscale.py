@@ -33,6 +33,7 @@ class Stream:
     texts: list[str] = field(default_factory=list)
     finish: str | None = None
     error: dict[str, Any] | None = None
+    error_usage: dict[str, Any] | None = None  # what the in-band error says was billed
     done: bool = False
     status: int = 0
 
@@ -64,7 +65,7 @@ def stream(
                 break
             chunk = json.loads(line.removeprefix("data: "))
             if "error" in chunk:
-                out.error = chunk["error"]
+                out.error, out.error_usage = chunk["error"], chunk.get("usage")
                 continue
             choice = chunk["choices"][0]
             out.texts.append(choice["text"])
@@ -167,6 +168,10 @@ def test_kill_9_mid_stream_ends_cleanly_bills_partial_and_replaces_the_worker(
     row = elastic.ledger_row(got.request_id)
     assert row.status == "partial"
     assert 5 <= row.completion_tokens < 400 and row.prompt_tokens > 0
+    # The error says what it was billed (it said `usage: null`).
+    assert got.error_usage is not None
+    billed = (got.error_usage["prompt_tokens"], got.error_usage["completion_tokens"])
+    assert billed == (row.prompt_tokens, row.completion_tokens)
 
     # The pool replaces the dead worker without waiting for the next request.
     elastic.wait_for(

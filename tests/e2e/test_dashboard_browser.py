@@ -53,7 +53,7 @@ STATUSES = ("completed", "completed", "completed", "partial", "error", "cancelle
 @dataclass
 class Board:
     server: Server
-    keys: dict[str, str]  # "alpha:usage", "beta:usage", "alpha:admin", "alpha:invoke", ...
+    keys: dict[str, str]  # "alpha:usage", "beta:usage", "alpha:operator", "alpha:invoke", ...
     deployments: dict[str, set[str]]  # tenant -> its deployment names
 
     def get(self, path: str, who: str, **params: Any) -> Any:
@@ -78,7 +78,7 @@ def _seed(db: Database, now: datetime) -> tuple[dict[str, str], dict[str, set[st
     for tenant_name in ("alpha", "beta"):
         tenant = tenants.create(tenant_name)
         key_ids = []
-        for scopes in ("usage", "admin", "invoke,deploy", "deploy"):
+        for scopes in ("usage", "admin", "invoke,deploy", "deploy", "operator"):
             record, keys[f"{tenant_name}:{scopes}"] = keystore.create(tenant.id, scopes)
             key_ids.append(record.id)
         for i in range(60):
@@ -362,7 +362,7 @@ def test_a_tenant_sees_its_own_totals_in_every_chart_and_range(
     _sign_in(page, board.keys["alpha:usage"])
     _wait_loaded(page)
     expect(page.locator("#who-tenant")).to_have_text("alpha")
-    expect(page.locator("#tenant-filter")).to_be_hidden()  # not an admin
+    expect(page.locator("#tenant-filter")).to_be_hidden()  # not an operator
     seen = _check_against_api(page, board, "alpha:usage")
     # The real requests: the live deployment is ready, with a cold start split into phases.
     live = next(d for d in seen["summary"]["deployments"] if d["name"] == "alpha-live")
@@ -435,19 +435,19 @@ def test_tenant_b_never_sees_tenant_a(page: Any, board: Board) -> None:
     assert "alpha" not in seen["names"]
 
 
-def test_admin_sees_every_tenant_and_can_filter_by_one(page: Any, board: Board) -> None:
-    _sign_in(page, board.keys["alpha:admin"])
+def test_the_operator_sees_every_tenant_and_can_filter_by_one(page: Any, board: Board) -> None:
+    _sign_in(page, board.keys["alpha:operator"])
     _wait_loaded(page)
     before = _loaded_at(page)
     page.click("[data-range='30d']")
     _wait_loaded(page, before, "30d")
     expect(page.locator("#tenant-filter")).to_be_visible()
-    everything = _check_against_api(page, board, "alpha:admin")
+    everything = _check_against_api(page, board, "alpha:operator")
     assert set(everything["by_model"]) == board.deployments["alpha"] | board.deployments["beta"]
     before = _loaded_at(page)
     page.select_option("#tenant-select", "beta")
     _wait_loaded(page, before, "30d", "beta")
-    only_beta = _check_against_api(page, board, "alpha:admin", tenant="beta")
+    only_beta = _check_against_api(page, board, "alpha:operator", tenant="beta")
     assert set(only_beta["by_model"]) == board.deployments["beta"]
     assert "alpha-chat" not in only_beta["names"]
     # Signing out forgets the key: a reload asks for one again.

@@ -7,23 +7,24 @@ itself (which other tests use) keeps running.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from server_process import running_server, worker_pids
-from sqlalchemy import create_engine, make_url, pool, text
+from sqlalchemy import make_url
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from scratch_postgres import fresh_database
+from tcp_proxy import TcpProxy
 
 from hotpool.billing.db import Database
 from hotpool.billing.keys import KeyStore, parse_scopes
@@ -36,103 +37,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 DEFAULT_POSTGRES_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
 
 
-class TcpProxy:
-    """Forwards 127.0.0.1:``port`` to ``upstream``. :meth:`cut` drops every connection and
-    refuses new ones (as a database that went away) until :meth:`restore`."""
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self.listener.getsockname()[1]
-        self.up = True
-        self.refused = 0
-        self.frozen = threading.Event()  # clear: frozen
-        self.frozen.set()
-        self._socks: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def cut(self) -> None:
-        self.up = False
-        with self._lock:
-            socks, self._socks = self._socks, set()
-        for s in socks:
-            _kill(s)
-
-    def restore(self) -> None:
-        self.up = True
-
-    def freeze(self) -> None:
-        """Hold every byte either way, and let new connections in to hang (as a database
-        process that is stopped, not gone: the client's reads wait, nothing is refused)."""
-        self.frozen.clear()
-
-    def thaw(self) -> None:
-        self.frozen.set()
-
-    def close(self) -> None:
-        self.cut()
-        _kill(self.listener)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return  # closed
-            if not self.up:
-                self.refused += 1
-                _kill(client)
-                continue
-            try:
-                server = socket.create_connection(self.upstream, timeout=5)
-                server.settimeout(None)
-            except OSError:
-                _kill(client)
-                continue
-            with self._lock:
-                self._socks |= {client, server}
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                self.frozen.wait()
-                dst.sendall(data)
-        except OSError:
-            pass
-        _kill(src)
-        _kill(dst)
-
-
-def _kill(s: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv, unlike close()
-    s.close()
-
-
 @pytest.fixture(scope="module")
 def database_url() -> Iterator[str]:
     """A fresh database on the test server, migrated with `hotpool db upgrade`."""
     admin_url = os.environ.get("HOTPOOL_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL)
     if os.environ.get("HOTPOOL_TEST_SKIP_POSTGRES") == "1":
         pytest.skip("HOTPOOL_TEST_SKIP_POSTGRES=1")
-    name = f"hotpool_e2e_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(admin_url, poolclass=pool.NullPool, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    try:
+    with fresh_database(admin_url, "hotpool_e2e") as url:
         env = {**os.environ, "HOTPOOL_DATABASE_URL": url}
         cmd = [sys.executable, "-m", "hotpool", "db", "upgrade"]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         yield url
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.fixture(scope="module")
@@ -229,18 +145,35 @@ def test_postgres_cut_for_seconds_under_load_loses_no_request_and_doubles_none(
         assert "spooling" in srv.log()
 
 
+@pytest.mark.parametrize(
+    ("prompt", "kill_at"),
+    [("Once upon a time", 40), (" ".join(["internationalization"] * 1500), 1)],
+    ids=["mid-stream", "first-token"],
+)
 def test_a_stream_cut_by_kill_9_is_billed_as_partial_after_the_restart(
-    tmp_path: Path, smollm2_snapshot_bf16: Path, database_url: str, proxy: TcpProxy
-) -> None:
+    tmp_path: Path, smollm2_snapshot_bf16: Path, database_url: str, proxy: TcpProxy,
+    prompt: str, kill_at: int,
+) -> None:  # fmt: skip
+    """Killed mid-stream, or at its first token (issue 46: a 6,423-token prompt was billed
+    0 + 0, the journal's first tokens line being 16 tokens or a second away): the restart
+    bills what the client was streamed, and the whole prompt."""
     uri = f"file://{smollm2_snapshot_bf16}"
     env = {
         "HOTPOOL_DATABASE_URL": _through(proxy, database_url),
         "HOTPOOL_MAX_WORKERS": "1",
         "HOTPOOL_WARM_WORKERS": "0",
     }
-    body = {"model": "crash", "prompt": "Once upon a time", "max_tokens": 400,
+    body = {"model": "crash", "prompt": prompt, "max_tokens": 400,
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
     with running_server(tmp_path, uri, env, f"crash={uri}") as srv:
+        # The same prompt once whole: its token count, and its prefix cached (the stream
+        # below then reaches its first token at once, as in the report).
+        r = httpx.post(
+            f"{srv.url}/v1/completions", json={**body, "stream": False, "max_tokens": 1},
+            timeout=300,
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
         chunks = 0
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
             request_id = r.headers["x-request-id"]
@@ -248,7 +181,7 @@ def test_a_stream_cut_by_kill_9_is_billed_as_partial_after_the_restart(
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         chunks += 1
-                        if chunks == 40:
+                        if chunks == kill_at:
                             os.kill(srv.proc.pid, signal.SIGKILL)
             except httpx.HTTPError:
                 pass  # the connection dies with the server
@@ -261,7 +194,11 @@ def test_a_stream_cut_by_kill_9_is_billed_as_partial_after_the_restart(
         _wait_for("the restart to bill it", lambda: request_id in _ledger(database_url), 15)
         [row] = _ledger(database_url)[request_id]
         assert (row.status, row.error, row.deployment) == ("partial", RESTART_ERROR, "crash")
-        assert 16 <= row.completion_tokens < 400 and row.prompt_tokens > 0
+        assert row.prompt_tokens == prompt_tokens
+        if kill_at == 1:
+            assert 1 <= row.completion_tokens < 400
+        else:
+            assert 16 <= row.completion_tokens < 400
         assert "left unrecorded (1 cut short)" in srv.log()
         assert json.loads(httpx.get(f"{srv.url}/readyz").text)["status"] == "ready"
 

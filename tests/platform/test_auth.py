@@ -56,7 +56,7 @@ def world(tmp_path: Path) -> Iterator[World]:
     keys = {}
     for tenant in ("alpha", "beta"):
         t = tenants.create(tenant)
-        for scopes in ("deploy", "invoke", "usage", "admin", "deploy,invoke,usage"):
+        for scopes in ("deploy", "invoke", "usage", "admin", "deploy,invoke,usage", "operator"):
             _, keys[f"{tenant}:{scopes}"] = keystore.create(t.id, parse_scopes(scopes))
     snapshot = snapshot_folder(tmp_path / "objects" / "snapshots" / "tiny")
     try:
@@ -99,7 +99,7 @@ def _routes(target: str) -> list[tuple[str, str, str, Any]]:
         ("invoke", "GET", f"/v1/models/{target}", None),
         ("usage", "GET", "/v1/usage", None),
         ("usage", "GET", "/v1/usage/summary", None),
-        ("admin", "GET", "/v1/tenants", None),
+        ("operator", "GET", "/v1/tenants", None),
         ("admin", "GET", "/v1/keys", None),
     ]
 
@@ -118,16 +118,16 @@ def test_no_key_or_a_bad_key_is_401(world: World, route: int) -> None:
 
 
 @pytest.mark.parametrize("route", range(len(_routes("x"))))
-def test_each_route_needs_its_scope_and_admin_has_all(world: World, route: int) -> None:
+def test_each_route_needs_its_scope_and_admin_has_all_but_operator(
+    world: World, route: int
+) -> None:
     scope, method, path, body = _routes("alpha-model")[route]
-    for held in ("deploy", "invoke", "usage"):
+    for held in ("deploy", "invoke", "usage", "admin", "operator"):
         r = world.client.request(method, path, json=body, headers=world.h(f"alpha:{held}"))
-        if held == scope:
+        if held == scope or held == "operator" or (held == "admin" and scope != "operator"):
             assert r.status_code in (200, 400), r.text  # 400: the deliberate max_tokens=0
         else:
             _error(r, 403, "insufficient_scope")
-    r = world.client.request(method, path, json=body, headers=world.h("alpha:admin"))
-    assert r.status_code in (200, 400), r.text
 
 
 def test_another_tenants_deployment_does_not_exist_for_you(world: World) -> None:
@@ -157,7 +157,7 @@ def test_deployments_are_created_in_the_callers_tenant(world: World) -> None:
     _error(r, 409, "deployment_exists")
 
 
-def test_usage_is_the_tenants_own_and_admin_sees_all(world: World) -> None:
+def test_usage_is_the_tenants_own_and_the_operator_sees_all(world: World) -> None:
     tenants = {t.name: t.id for t in TenantStore(world.services.db).list()}
     for tenant, tokens in (("alpha", 10), ("beta", 1000)):
         world.services.ledger.record(
@@ -179,7 +179,8 @@ def test_usage_is_the_tenants_own_and_admin_sees_all(world: World) -> None:
 
     assert total("alpha:usage") == 10
     assert total("beta:usage") == 1000
-    assert total("alpha:admin") == 1010
+    assert total("alpha:admin") == 10  # a tenant's admin: its own tenant's
+    assert total("alpha:operator") == 1010
 
     def summary(who: str, **params: str) -> list[str]:
         r = world.client.get("/v1/usage/summary", params=params, headers=world.h(who))
@@ -188,16 +189,17 @@ def test_usage_is_the_tenants_own_and_admin_sees_all(world: World) -> None:
 
     assert summary("alpha:usage") == ["alpha-model"]
     assert summary("beta:usage") == ["beta-model"]
-    assert summary("alpha:admin") == ["alpha-model", "beta-model"]
-    # An admin narrows to one tenant; anyone may name their own; another's is a 404,
+    assert summary("alpha:admin") == ["alpha-model"]
+    assert summary("alpha:operator") == ["alpha-model", "beta-model"]
+    # An operator narrows to one tenant; anyone may name their own; another's is a 404,
     # worded as for a tenant that does not exist.
-    assert summary("alpha:admin", tenant="beta") == ["beta-model"]
+    assert summary("alpha:operator", tenant="beta") == ["beta-model"]
     assert summary("alpha:usage", tenant="alpha") == ["alpha-model"]
     for path in ("/v1/usage", "/v1/usage/summary"):
         for name in ("beta", "nobody"):
             r = world.client.get(path, params={"tenant": name}, headers=world.h("alpha:usage"))
             assert _error(r, 404, "tenant_not_found")["message"] == f"tenant {name!r} not found"
-    r = world.client.get("/v1/usage", params={"tenant": "beta"}, headers=world.h("alpha:admin"))
+    r = world.client.get("/v1/usage", params={"tenant": "beta"}, headers=world.h("alpha:operator"))
     assert sum(x["input_tokens"] for b in r.json()["data"] for x in b["results"]) == 1000
 
 
@@ -232,8 +234,8 @@ def test_revoked_key_fails_at_once(world: World) -> None:
     _error(world.client.delete("/v1/keys/hp_unknown00", headers=headers), 404)
 
 
-def test_admin_creates_tenants_and_keys_shown_once(world: World) -> None:
-    admin = world.h("alpha:admin")
+def test_operator_creates_tenants_and_keys_shown_once(world: World) -> None:
+    admin = world.h("alpha:operator")
     r = world.client.post("/v1/tenants", json={"name": "gamma"}, headers=admin)
     assert r.status_code == 201 and r.json()["name"] == "gamma"
     _error(world.client.post("/v1/tenants", json={"name": "gamma"}, headers=admin), 409)
@@ -279,3 +281,38 @@ def test_local_mode_needs_no_key_and_says_so(tmp_path: Path) -> None:
             assert r.headers["x-hotpool-auth"] == "off"
     finally:
         services.db.dispose()
+
+
+def test_an_admin_manages_its_own_tenants_keys_only(world: World) -> None:
+    """Issue 46: beta's admin minted a key in alpha (201), then changed alpha's deployment
+    with it. An admin now acts in its own tenant: another tenant is as unknown as a name
+    that does not exist, its keys cannot be seen or revoked, and no operator key is made."""
+    beta = world.h("beta:admin")
+    for body in (
+        {"tenant": "alpha", "scopes": ["deploy"]},
+        {"tenant": "nobody", "scopes": ["invoke"]},
+    ):
+        err = _error(
+            world.client.post("/v1/keys", json=body, headers=beta), 404, "tenant_not_found"
+        )
+        assert err["message"] == f"tenant {body['tenant']!r} does not exist"
+    _error(world.client.post("/v1/tenants", json={"name": "x"}, headers=beta), 403)
+    _error(world.client.get("/v1/tenants", headers=beta), 403, "insufficient_scope")
+    escalate = {"scopes": ["operator"]}
+    _error(world.client.post("/v1/keys", json=escalate, headers=beta), 403, "insufficient_scope")
+    # Its own tenant (the default), its own keys.
+    r = world.client.post("/v1/keys", json={"scopes": ["invoke"], "name": "b"}, headers=beta)
+    assert r.status_code == 201 and r.json()["tenant"] == "beta", r.text
+    listed = world.client.get("/v1/keys", headers=beta).json()["data"]
+    assert listed and {k["tenant"] for k in listed} == {"beta"}
+    alpha_key = world.keys["alpha:deploy"]
+    _error(world.client.delete(f"/v1/keys/{alpha_key[:11]}", headers=beta), 404)
+    assert world.client.get("/v1/deployments", headers=world.h("alpha:deploy")).status_code == 200
+    # Usage: its own tenant's, and another's is a 404 (an operator sees every tenant's).
+    r = world.client.get("/v1/usage", params={"tenant": "alpha"}, headers=beta)
+    _error(r, 404, "tenant_not_found")
+    operator = world.h("alpha:operator")
+    r = world.client.get("/v1/usage", params={"tenant": "beta"}, headers=operator)
+    assert r.status_code == 200, r.text
+    r = world.client.delete(f"/v1/keys/{alpha_key[:11]}", headers=operator)
+    assert r.status_code == 200 and r.json()["revoked_at"] is not None

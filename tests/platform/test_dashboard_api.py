@@ -72,7 +72,7 @@ def test_me_names_the_tenant_and_scopes_of_a_key(keyed: tuple[TestClient, str]) 
     r = client.get("/v1/me", headers={"authorization": f"Bearer {key}"})
     assert r.status_code == 200
     me = r.json()
-    assert me["auth"] == "keys" and me["admin"] is False
+    assert me["auth"] == "keys" and me["admin"] is False and me["operator"] is False
     assert me["tenant"] == {"id": 1, "name": "default"}
     assert me["key"]["scopes"] == ["usage"] and me["key"]["name"] == "laptop"
     assert key.startswith(me["key"]["prefix"]) and key not in r.text
@@ -83,7 +83,7 @@ def test_me_names_the_tenant_and_scopes_of_a_key(keyed: tuple[TestClient, str]) 
 def test_me_in_local_mode_says_auth_is_off(local: tuple[TestClient, str]) -> None:
     client, _ = local
     me = client.get("/v1/me").json()
-    assert (me["auth"], me["key"], me["admin"]) == ("off", None, True)
+    assert (me["auth"], me["key"], me["admin"], me["operator"]) == ("off", None, True, True)
 
 
 @pytest.mark.parametrize(

@@ -30,11 +30,23 @@ def test_token_counts_are_journalled_every_n_tokens_not_every_token(tmp_path: Pa
     for n in range(1, 101):
         journal.progress("r1", 20, n, 4)
     assert [x["completion_tokens"] for x in _lines(tmp_path) if x["op"] == "tokens"] == [
-        16, 32, 48, 64, 80, 96
+        1, 17, 33, 49, 65, 81, 97
     ]  # fmt: skip
     [rec] = _crashed(tmp_path)
     assert (rec.status, rec.error) == ("partial", RESTART_ERROR)
-    assert (rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens) == (20, 96, 4)
+    assert (rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens) == (20, 97, 4)
+
+
+def test_a_crash_at_the_first_token_bills_the_whole_prompt(tmp_path: Path) -> None:
+    """Issue 46: a request killed at its first token was billed 0 + 0 for a 6,423-token
+    prompt, its first tokens line being 16 tokens or a second away."""
+    journal = InflightJournal(tmp_path, every_tokens=16, every_s=3600)
+    journal.start()
+    _open(journal, "r1")
+    journal.progress("r1", 6423, 1, 6000)
+    [rec] = _crashed(tmp_path)
+    assert (rec.status, rec.error) == ("partial", RESTART_ERROR)
+    assert (rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens) == (6423, 1, 6000)
     assert (rec.api_key_id, rec.deployment, rec.endpoint) == (7, "smollm2", "chat.completions")
 
 

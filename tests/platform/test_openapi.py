@@ -209,7 +209,7 @@ def _world(home: Path, invoker: ScriptedInvoker | None = None) -> Iterator[World
     tenant = TenantStore(db).create("fuzz")
     keystore = KeyStore(db)
     keys = {who: keystore.create(tenant.id, scopes)[1] for who, scopes in
-            (("admin", "admin"), ("usage", "usage"))}  # fmt: skip
+            (("admin", "operator"), ("usage", "usage"))}  # fmt: skip
     spare, _ = keystore.create(tenant.id, "invoke", "spare")
     snapshot = snapshot_folder(home / "objects" / "snapshots" / "tiny")
     DeploymentStore(db).create(DeploymentSpec("tiny", f"file://{snapshot}", tenant_id=tenant.id))

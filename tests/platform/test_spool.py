@@ -316,7 +316,7 @@ async def main():
     await writer.start()
     writer.begin(OpenRequest("running", "smollm2", "completions", 1, None, "client-1", 1e9))
     for n in range(1, 21):
-        writer.progress("running", 9, n, 0)  # journalled at 8 and 16
+        writer.progress("running", 9, n, 0)  # journalled at 1 (the first), 9 and 17
     writer.begin(OpenRequest("finished", "smollm2", "completions", 1))
     writer.submit(UsageRecord("finished", "smollm2", "completions", "completed", 9, 5))
     writer.begin(OpenRequest("queued", "smollm2", "completions", 1))
@@ -346,7 +346,7 @@ def test_requests_in_flight_at_a_kill_9_are_billed_at_the_next_start(
     asyncio.run(restart())
     events = {e.request_id: e for e in Ledger(db).events()}
     running = events["running"]
-    assert (running.status, running.prompt_tokens, running.completion_tokens) == ("partial", 9, 16)
+    assert (running.status, running.prompt_tokens, running.completion_tokens) == ("partial", 9, 17)
     assert running.error == RESTART_ERROR and running.client_request_id == "client-1"
     assert events["finished"].status == "completed" and events["finished"].completion_tokens == 5
     queued = events["queued"]  # started, no token yet: billed like a stream cut before one
