@@ -40,6 +40,7 @@ KEY_CACHE_S = 2.0
 # steady traffic no request waits for the database; the check a request trusts is still
 # never older than KEY_CACHE_S.
 KEY_REFRESH_S = 1.0
+MAX_CACHED_KEYS = 10_000
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class Authenticator:
         self._clock = clock
         self._touched: dict[int, float] = {}
         self._background: set[asyncio.Task[None]] = set()
-        self._cache: dict[bytes, _Checked] = {}  # sha256(key) -> its last successful check
+        self._cache: dict[bytes, _Checked] = {}  # sha256(key) -> its last check
         self._lookups: dict[bytes, asyncio.Task[ApiKeyRecord | None]] = {}
         # Bumped by forget(): a lookup that started before a revocation does not cache
         # the key it read (it may have read it before the revocation committed).
@@ -215,11 +216,7 @@ class Authenticator:
                     del self._lookups[digest]
             self.database_failing = False
             if epoch == self._epoch:
-                if len(self._cache) > 10_000:  # keys are few; this only bounds a flood
-                    self._cache.clear()
-                # An unknown or revoked key is remembered too: while the database is down it
-                # stays refused (401) rather than becoming a 503.
-                self._cache[digest] = _Checked(key, started)
+                self._remember(digest, _Checked(key, started))
             elif key is None:
                 self._cache.pop(digest, None)
             return key
@@ -231,10 +228,22 @@ class Authenticator:
         task.add_done_callback(_log_failure)
         return task
 
+    def _remember(self, digest: bytes, checked: _Checked) -> None:
+        """Cache a check. An unknown or revoked key is remembered too (while the database is
+        down it stays a 401, not a 503), but a flood of made-up keys never pushes out the
+        real ones, whose checks the grace period serves from."""
+        if len(self._cache) >= MAX_CACHED_KEYS:
+            if checked.key is None:
+                return
+            self._cache = {d: c for d, c in self._cache.items() if c.key is not None}
+            if len(self._cache) >= MAX_CACHED_KEYS:  # keys are few: this only bounds a flood
+                self._cache.clear()
+        self._cache[digest] = checked
+
     def forget(self, key_id: int) -> None:
         """Drop a revoked key from the cache: it fails from the next request on."""
         self._epoch += 1
-        self._cache = {d: v for d, v in self._cache.items() if v.key.id != key_id}
+        self._cache = {d: v for d, v in self._cache.items() if v.key is None or v.key.id != key_id}
         # A lookup in flight may have read the key before the revocation committed: the
         # requests waiting on it take its answer, but later ones start a lookup of their own.
         self._lookups.clear()

@@ -278,3 +278,33 @@ def test_a_database_that_does_not_answer_costs_a_request_the_timeout_at_most(w: 
         assert not w.auth.database_failing
 
     asyncio.run(run())
+
+
+def test_unknown_keys_are_remembered_but_never_push_out_real_ones(
+    w: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused key is cached (a 401, not a 503, while the database is down), and a revocation
+    with refused keys cached works; a flood of made-up keys stops being cached at the
+    bound instead of clearing the real keys the grace period would serve from."""
+    monkeypatch.setattr("hotpool.platform.auth.MAX_CACHED_KEYS", 4)
+    made_up = [f"hp_{'x' * 39}{i}" for i in range(8)]
+
+    async def run() -> None:
+        await w.ask()
+        for key in made_up:
+            with pytest.raises(APIError) as err:
+                await w.auth.principal(_request(key))
+            assert err.value.status == 401
+        assert len(w.auth._cache) == 4 and sum(c.key is not None for c in w.auth._cache.values())
+        lookups = w.keys.lookups
+        with pytest.raises(APIError):  # remembered: no second lookup
+            await w.auth.principal(_request(made_up[0]))
+        assert w.keys.lookups == lookups
+        w.auth.forget(w.key_id)  # with refused keys in the cache
+        w.keys.fail = True
+        w.clock.now += KEY_CACHE_S
+        with pytest.raises(APIError) as err:  # the database down: a remembered refusal holds
+            await w.auth.principal(_request(made_up[1]))
+        assert err.value.status == 401
+
+    asyncio.run(run())
