@@ -23,6 +23,7 @@ import multiprocessing
 import os
 from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -134,12 +135,20 @@ class SchemaChecker:
                 code="rate_limit_exceeded",
                 retry_after_s=1,
             ) from None
-        future = asyncio.get_running_loop().run_in_executor(self._executor(), check_texts, texts)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(
+                self._executor(), check_texts, texts
+            )
+        except BrokenProcessPool:  # known dead before this check was sent
+            slots.release()
+            raise self._restarted() from None
         # The slot is the tenant's until the check ends, not until this request stops
         # waiting: a client that gives up or times out cannot stack checks up.
         future.add_done_callback(lambda _: slots.release())
         try:
             verdict = await asyncio.wait_for(asyncio.shield(future), self.check_timeout_s)
+        except BrokenProcessPool:  # the checker died (killed, out of memory)
+            raise self._restarted() from None
         except TimeoutError:  # not remembered: a busy machine is not the schema's fault
             raise invalid(
                 f"checking this request's JSON Schema took longer than "
@@ -148,6 +157,14 @@ class SchemaChecker:
             ) from None
         self.checked += 1
         return verdict
+
+    def _restarted(self) -> APIError:
+        """The checker process died: the next check starts a new one."""
+        self._pool = None
+        return APIError(
+            503, "the JSON Schema checker restarted; retry", code="schema_checker_restarted",
+            retry_after_s=1,
+        )  # fmt: skip
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:

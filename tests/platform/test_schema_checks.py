@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -148,3 +150,18 @@ def test_the_event_loop_keeps_ticking_while_a_large_schema_is_checked(
 
     longest, total = asyncio.run(run())
     assert longest < total / 4, (longest, total)
+
+
+def test_a_checker_process_that_dies_is_a_503_then_replaced(checker: SchemaChecker) -> None:
+    async def run() -> None:
+        await checker.check(1, _chat({"type": "object"}))  # the process is up
+        pool = checker._pool
+        assert pool is not None
+        for process in pool._processes.values():  # killed, as the OOM killer would
+            os.kill(process.pid, signal.SIGKILL)
+        with pytest.raises(APIError) as info:
+            await checker.check(1, _chat(_big("after-kill", 10)))
+        assert info.value.status == 503 and info.value.retry_after_s == 1
+        await checker.check(1, _chat(_big("again", 10)))  # a new process checks it
+
+    asyncio.run(run())
