@@ -23,7 +23,7 @@ import httpx
 
 from hotpool.pool.replica import Replica
 from hotpool.worker.prefix_hash import deployment_salt, prompt_block_hashes, reported
-from hotpool.worker.prompt import parse_tools, prompt_token_ids
+from hotpool.worker.prompt import parse_tools, prompt_bytes, prompt_token_ids
 from hotpool.worker.protocol import GenerateRequest
 from hotpool.worker.tokenizer import TOKENIZER_FILES, TextTokenizer
 
@@ -32,6 +32,8 @@ log = logging.getLogger("hotpool.router")
 MAX_BLOCKS = 2048  # prefixes past 32k tokens (16-token blocks) are not told apart
 MAX_TOKENIZERS = 8  # snapshots whose tokenizers stay loaded, least recently used out
 RETRY_S = 30.0  # after a failed fetch
+INLINE_BYTES = 64 << 10  # longer prompts are tokenized in a thread (prepare)
+MAX_PREPARED = 4096
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class PromptHasher:
         self._tokenizers: OrderedDict[str, TextTokenizer] = OrderedDict()
         self._fetching: dict[str, asyncio.Task[None]] = {}
         self._failed_at: dict[str, float] = {}
+        # (request id, snapshot digest) -> the prompt's ids, tokenized off the event loop
+        self._prepared: dict[tuple[str, str], tuple[int, ...] | None] = {}
 
     def hashes(self, replica: Replica, request: GenerateRequest) -> list[str] | None:
         """The request's block hashes on ``replica``'s deployment (:meth:`key`)."""
@@ -68,13 +72,41 @@ class PromptHasher:
         if block_size is None:
             return None
         self._tokenizers.move_to_end(load.digest)
-        try:
-            ids = prompt_token_ids(tok, request, parse_tools(request))
-        except Exception:  # any failure: the worker will answer the request's own error
+        at = (request.request_id, load.digest)
+        if at in self._prepared:
+            ids = self._prepared[at]
+        elif prompt_bytes(request) > INLINE_BYTES:
+            return None  # never tokenized on the event loop: see prepare()
+        else:
+            ids = _token_ids(tok, request)
+        if ids is None:
             return None
         salt = deployment_salt(load.digest, load.deployment)
         hashes = prompt_block_hashes(ids, block_size, salt, MAX_BLOCKS)
         return PromptKey(len(ids), [reported(h) for h in hashes])
+
+    async def prepare(self, replicas: list[Replica], request: GenerateRequest) -> None:
+        """Tokenize a long prompt (over ``INLINE_BYTES``) for the snapshots of ``replicas``,
+        in a thread: the tokenizer lets go of the GIL, and on the event loop a megabyte of
+        prompt held every request and stream of the control plane for ~0.4 s. :meth:`key`
+        then finds the ids; a long prompt not prepared is routed by load alone."""
+        if prompt_bytes(request) <= INLINE_BYTES:
+            return
+        if len(self._prepared) > MAX_PREPARED:  # forget() was skipped somewhere: a bound
+            self._prepared.clear()
+        for replica in replicas:
+            load = replica.load
+            at = (request.request_id, load.digest if load else "")
+            tok = self._tokenizers.get(at[1])
+            if tok is None or at in self._prepared:
+                continue
+            self._prepared[at] = await asyncio.to_thread(_token_ids, tok, request)
+
+    def forget(self, request_id: str) -> None:
+        """Drop what :meth:`prepare` kept for a request that has its replica."""
+        if self._prepared:
+            for at in [at for at in self._prepared if at[0] == request_id]:
+                del self._prepared[at]
 
     def ready(self, digest: str) -> bool:
         return digest in self._tokenizers
@@ -128,3 +160,11 @@ def _tokenizer_from(files: dict[str, str]) -> TextTokenizer:
             if isinstance(files.get(name), str):
                 (Path(tmp) / name).write_text(files[name])
         return TextTokenizer(Path(tmp))
+
+
+def _token_ids(tok: TextTokenizer, request: GenerateRequest) -> tuple[int, ...] | None:
+    """The prompt's ids; None on any failure (the worker answers the request's own error)."""
+    try:
+        return prompt_token_ids(tok, request, parse_tools(request))
+    except Exception:
+        return None

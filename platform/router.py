@@ -192,7 +192,16 @@ class Router:
         if isinstance(target, DeploymentSpec):
             target = Target(target, not_version=target.canary_version)
         t0 = time.monotonic()
-        (replica, work), cold = await self._acquire(target, t0, avoid, affinity)
+        if affinity is not None:
+            self._check_context(target.spec, affinity.request)
+        try:
+            if affinity is not None and self.routing == "cache_aware":
+                replicas = self.pool.replicas(target.spec.name)
+                await self.hasher.prepare(replicas, affinity.request)
+            (replica, work), cold = await self._acquire(target, t0, avoid, affinity)
+        finally:
+            if affinity is not None:
+                self.hasher.forget(affinity.request.request_id)
         try:
             yield Lease(replica, time.monotonic() - t0, cold, work)
         finally:
@@ -206,8 +215,6 @@ class Router:
         spec = target.spec
         max_queue = spec.max_queue or self.max_queue
         timeout_s = spec.queue_timeout_s or self.queue_timeout_s
-        if affinity is not None:
-            self._check_context(spec, affinity.request)
         ready = self._pick(target, avoid, affinity)
         if ready is not None:
             self._admit(spec, *ready, timeout_s)

@@ -4,11 +4,13 @@ resets are reported, and the report stays bounded."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import torch
 
-from hotpool.platform.prompt_hasher import PromptHasher, _tokenizer_from
+from hotpool.platform.prompt_hasher import INLINE_BYTES, PromptHasher, _tokenizer_from
 from hotpool.pool.backend import WorkerHandle
 from hotpool.pool.replica import Replica
 from hotpool.worker.engine.base import EngineRequest
@@ -104,3 +106,44 @@ def test_reports_stay_bounded() -> None:
     report = events.take()  # past the limit: a reset with the newest 8
     assert report.reset and report.stored == [reported(h) for h in cached[-8:]]
     assert not events.take().reset
+
+
+def test_a_long_prompt_is_hashed_from_ids_tokenized_off_the_event_loop(
+    smollm2_snapshot_fp32: Path,
+) -> None:
+    """A prompt over INLINE_BYTES is never tokenized in key() (on the control plane's loop,
+    a megabyte took ~0.4 s of every request's time): prepare() tokenizes it in a thread,
+    the loop ticking meanwhile, and key() then finds the same ids inline tokenizing gives."""
+    snap = smollm2_snapshot_fp32
+    files = {n: (snap / n).read_text() for n in TOKENIZER_FILES if (snap / n).exists()}
+    hasher = PromptHasher(client=None)  # type: ignore[arg-type]  # no fetch: loaded below
+    hasher._tokenizers["digest-1"] = _tokenizer_from(files)
+    replica = Replica("rep-1", "reports", WorkerHandle("w1"))
+    replica.load = LoadResult("reports", "digest-1", cache_hit=False, kv_block_size=16)
+    text = "the committee reviewed the item and approved it. " * 20_000  # ~1 MB
+    req = GenerateRequest("long", SamplingParams(max_tokens=1), prompt=text)
+    assert len(text) > INLINE_BYTES and hasher.key(replica, req) is None  # not inline
+
+    async def prepare() -> float:
+        task = asyncio.create_task(hasher.prepare([replica], req))
+        longest = 0.0
+        while not task.done():
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.002)
+            longest = max(longest, time.perf_counter() - t0)
+        await task
+        return longest
+
+    t0 = time.perf_counter()
+    longest = asyncio.run(prepare())
+    took = time.perf_counter() - t0
+    key = hasher.key(replica, req)
+    ids = prompt_token_ids(TextTokenizer(snap), req, None)
+    assert key is not None and key.tokens == len(ids) > 100_000
+    assert key.hashes[:3] == [
+        reported(h)
+        for h in prompt_block_hashes(ids[:48], 16, deployment_salt("digest-1", "reports"))
+    ]
+    assert longest < took / 4, (longest, took)  # the loop ran while it tokenized
+    hasher.forget("long")
+    assert hasher.key(replica, req) is None and not hasher._prepared
