@@ -144,6 +144,6 @@ def test_a_long_prompt_is_hashed_from_ids_tokenized_off_the_event_loop(
         reported(h)
         for h in prompt_block_hashes(ids[:48], 16, deployment_salt("digest-1", "reports"))
     ]
-    assert longest < took / 4, (longest, took)  # the loop ran while it tokenized
+    assert longest < took / 2, (longest, took)  # the loop ran while it tokenized
     hasher.forget("long")
     assert hasher.key(replica, req) is None and not hasher._prepared
