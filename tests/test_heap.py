@@ -50,7 +50,9 @@ def test_without_thawing_only_what_is_new_is_walked_and_frozen() -> None:
     del old  # garbage among the frozen: a settle without thawing leaves it be
     new = Node()
     frozen = settle_heap(thaw=False)
-    assert frozen == gc.get_freeze_count() and old_ref() is not None
+    # What it returns is the count it left; another thread of the process (a test server's)
+    # may free a frozen object since, never freeze one: the count can only have gone down.
+    assert 0 < gc.get_freeze_count() <= frozen and old_ref() is not None
     gone = weakref.ref(new)
     del new  # frozen by the second settle
     gc.collect()
