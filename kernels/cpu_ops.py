@@ -72,6 +72,13 @@ def cache_dir() -> Path:
     return Path(base) / "hotpool" / "kernels"
 
 
+def target_march() -> str:
+    """The ``-march`` the process's kernels build for: ``$HOTPOOL_CPU_MARCH``, else ``native``.
+    Another target (``x86-64-v3``: AVX2 and FMA, no AVX-512) runs another CPU class's paths
+    on this machine; docs/testing.md runs the suite so, as an AVX2-only CPU would."""
+    return os.environ.get("HOTPOOL_CPU_MARCH") or "native"
+
+
 def _cpu_fingerprint() -> str:
     """What -march=native depends on: the CPU's model and flags."""
     try:
@@ -599,7 +606,7 @@ def load() -> CpuOps | None:
     if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
         return None
     try:
-        return CpuOps(build())
+        return CpuOps(build(march=target_march()))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         log.warning("CPU kernels unavailable, using torch ops: %s", exc)
         return None

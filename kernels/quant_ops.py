@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hotpool.kernels.cpu_ops import _cpu_fingerprint, cache_dir
+from hotpool.kernels.cpu_ops import _cpu_fingerprint, cache_dir, target_march
 from hotpool.kernels.quant_weight import (
     INTERLEAVED_KINDS,
     GgufKind,
@@ -202,7 +202,7 @@ def load() -> QuantOps | None:
     if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
         return None
     try:
-        return QuantOps(build())
+        return QuantOps(build(march=target_march()))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         log.warning("quantized linear C kernels unavailable, using torch: %s", exc)
         return None
