@@ -18,7 +18,10 @@ one pass, and encoding and writing each one's line on its way in (~25 us) delaye
 request behind it on its way to the worker; at the end of the pass the lines go after the
 burst, in one system call. A process killed within the pass loses that pass's lines only:
 its new requests had reached no client yet (and their worker stops with the connection),
-and a finished request's missing ``end`` leaves it billed from its last ``tokens`` line.
+and a finished request's missing ``end`` leaves it billed from its last ``tokens`` line. A
+request's first ``tokens`` line is the exception, written at once with what is pending:
+its first token goes to the client within the same pass, and the line holds the prompt's
+count.
 ``fsync`` runs in the background every ``sync_interval_s``, so a power loss or kernel crash
 loses at most that much. Token counts are journalled in steps, so a crash under-bills a
 request's output by less than ``every_tokens`` tokens (or one second of it), never its prompt
@@ -174,13 +177,21 @@ class InflightJournal:
         # written at once: they carry the prompt's count, often most of what a request
         # costs, which a crash before the next line would otherwise leave unbilled.
         now = time.monotonic()
+        first = not e.written
         if (
-            not e.written
+            first
             or completion - e.written >= self.every_tokens
             or now - e.written_at >= self.every_s
         ):
             e.written, e.written_at, e.at = completion, now, time.time()
-            self._write([_tokens_line(request_id, e)])
+            if first:
+                # Written now, not at the end of the pass: the caller sends this token to
+                # the client within the pass, and a kill -9 after the client has it must
+                # still find the prompt's count here.
+                self._pending.append(_tokens_line(request_id, e))
+                self.flush()
+            else:
+                self._write([_tokens_line(request_id, e)])
 
     def end(self, record: UsageRecord, created_at: float) -> None:
         """The request's final record, until the ledger writer says it is safe."""

@@ -183,3 +183,31 @@ def test_compaction_on_the_loop_writes_the_snapshot_before_the_old_file_goes(
         assert (rec.request_id, rec.completion_tokens) == ("live", 3)
 
     asyncio.run(compact())
+
+
+def test_on_the_event_loop_a_first_token_is_on_disk_before_it_can_reach_the_client(
+    tmp_path: Path,
+) -> None:
+    """The invoker journals a token, then sends it to the client in the same pass: a kill -9
+    right after the client has the first token must find the prompt's count (a CI run lost
+    it when the first tokens line waited for the end of the pass). Later lines still wait."""
+    journal = InflightJournal(tmp_path, every_tokens=2, every_s=3600)
+    journal.start()
+
+    async def stream() -> list[list[str]]:
+        _open(journal, "r1")  # admitted in an earlier pass
+        await asyncio.sleep(0)
+        seen = []
+        journal.progress("r1", 6423, 1, 0)  # the first token, about to be sent
+        seen.append([str(x["op"]) for x in _lines(tmp_path)])
+        journal.progress("r1", 6423, 3, 0)  # a later line: at the end of the pass
+        seen.append([str(x["op"]) for x in _lines(tmp_path)])
+        await asyncio.sleep(0)
+        seen.append([str(x["op"]) for x in _lines(tmp_path)])
+        return seen
+
+    assert asyncio.run(stream()) == [
+        ["open", "tokens"], ["open", "tokens"], ["open", "tokens", "tokens"]
+    ]  # fmt: skip
+    [rec] = _crashed(tmp_path)
+    assert (rec.prompt_tokens, rec.completion_tokens) == (6423, 3)
