@@ -6,12 +6,12 @@ BIN := $(VENV)/bin
 .PHONY: run test install install-test lint clean
 
 # A strict editable install links each source file into the `hotpool` package layout
-# (see pyproject.toml); it is re-run every time so that new files are picked up.
+# (see pyproject.toml); it is re-run only when pyproject.toml or the set of files changed.
 install: $(BIN)/python
-	$(BIN)/pip install -q -e . --config-settings editable_mode=strict
+	@$(BIN)/python build_backend/install_if_changed.py $(VENV)
 
 install-test: $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=strict
+	@$(BIN)/python build_backend/install_if_changed.py $(VENV) test
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "hotpool needs Python >= 3.11"'

@@ -11,7 +11,8 @@ shadows the standard library's), so this backend adds a second, small finder to 
 editable wheel that maps each of those folders as a namespace package.
 
 Wheels, sdists and strict editable installs (``--config-settings editable_mode=strict``, the
-Makefile's) are setuptools' own, unchanged. Only the PEP 517 hooks and the wheel format are
+Makefile's) are setuptools' own, unchanged (less the strict mode's warning that its link
+tree must stay). Only the PEP 517 hooks and the wheel format are
 relied on, not setuptools' internals.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import tomllib
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -58,7 +60,12 @@ def build_editable(
     config_settings: dict[str, str | list[str]] | None = None,
     metadata_directory: str | None = None,
 ) -> str:
-    name = _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)
+    with warnings.catch_warnings():
+        # setuptools' strict mode warns on every install that its link tree must not be
+        # removed: 14 lines that read like a failure at each `make run`. build/ says so.
+        warnings.filterwarnings("ignore", message="Editable installation")
+        _quiet_about_dashboard_assets()
+        name = _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)
     wheel = Path(wheel_directory) / name
     namespaces = namespace_subpackages(Path.cwd())  # PEP 517: hooks run in the source tree
     finder = _lenient_finder(wheel)
@@ -74,18 +81,47 @@ def build_editable(
     return name
 
 
+def build_wheel(
+    wheel_directory: str,
+    config_settings: dict[str, str | list[str]] | None = None,
+    metadata_directory: str | None = None,
+) -> str:
+    with warnings.catch_warnings():
+        _quiet_about_dashboard_assets()
+        return _setuptools.build_wheel(wheel_directory, config_settings, metadata_directory)
+
+
+def _quiet_about_dashboard_assets() -> None:
+    """platform/dashboard/ holds the page's files beside platform/dashboard.py, the module
+    that serves them: a folder Python cannot import as a package (the module wins), so it is
+    package data of hotpool.platform, which setuptools warns about at length each build."""
+    warnings.filterwarnings("ignore", message=r"(?s).*hotpool\.platform\.dashboard")
+
+
 def namespace_subpackages(root: Path) -> dict[str, str]:
-    """Each subpackage of ``package-dir`` whose folder has no ``__init__.py``: its folder.
+    """Each subpackage whose folder has no ``__init__.py`` (a ``package-dir`` entry such as
+    ``platform/``, or a data-only folder in ``packages``): its folder.
 
     (A top-level namespace package is setuptools' own finder's job, and it does it.)"""
-    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
-    package_dir = pyproject.get("tool", {}).get("setuptools", {}).get("package-dir", {})
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text()).get("tool", {})
+    setuptools = setuptools.get("setuptools", {})
+    package_dir: dict[str, str] = setuptools.get("package-dir", {})
     found = {}
-    for name, folder in package_dir.items():
-        path = (root / folder).resolve()
+    for name in dict.fromkeys([*package_dir, *setuptools.get("packages", [])]):
+        path = _folder(root, package_dir, name)
         if "." in name and path.is_dir() and not (path / "__init__.py").exists():
             found[name] = str(path)
     return found
+
+
+def _folder(root: Path, package_dir: dict[str, str], name: str) -> Path:
+    """The folder of package ``name``: its nearest mapped ancestor's folder, plus the rest."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        mapped = package_dir.get(".".join(parts[:cut]))
+        if mapped is not None:
+            return (root / mapped).joinpath(*parts[cut:]).resolve()
+    return root.joinpath(*parts).resolve()
 
 
 def _lenient_finder(wheel: Path) -> str | None:

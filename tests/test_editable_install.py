@@ -96,3 +96,37 @@ def test_plain_editable_install_imports_every_subpackage_and_runs_the_cli(tmp_pa
     # From the source root, `platform` is still the standard library's.
     std = _run([python, "-c", "import platform; platform.system(); print(platform.__file__)"], src)
     assert not Path(std.stdout.strip()).is_relative_to(src), std.stdout
+
+
+@pytest.mark.slow
+def test_make_install_reinstalls_only_when_the_project_changed_and_warns_nothing(
+    tmp_path: Path,
+) -> None:
+    """`make run`'s install step: silent and instant when nothing changed, a real strict
+    editable install (and no setuptools warnings) when a file was added."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _source_tree(src)
+    venv = tmp_path / "venv"
+    python = _fresh_venv(venv)
+    script = src / "build_backend" / "install_if_changed.py"
+    # Offline: pip's own settings, from the environment, reach the script's pip.
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_NO_DEPS": "1", "PIP_NO_BUILD_ISOLATION": "0"}
+
+    first = _run([python, script, venv], src, env)
+    assert "installing" in first.stdout
+    assert "Warning" not in first.stdout + first.stderr, first.stdout + first.stderr
+    probe = "import hotpool.platform.app, hotpool.cli; print('ok')"
+    assert _run([python, "-c", probe], tmp_path).stdout.strip() == "ok"
+
+    again = _run([python, script, venv], src, env)
+    assert again.stdout == again.stderr == ""  # nothing changed: no pip at all
+
+    (src / "core" / "settings.py").write_text((src / "core" / "settings.py").read_text() + "\n")
+    assert _run([python, script, venv], src, env).stdout == ""  # an edit is live through links
+
+    (src / "platform" / "probe_module.py").write_text("ANSWER = 42\n")
+    added = _run([python, script, venv], src, env)
+    assert "installing" in added.stdout
+    probe = "import hotpool.platform.probe_module as m; print(m.ANSWER)"
+    assert _run([python, "-c", probe], tmp_path).stdout.strip() == "42"
