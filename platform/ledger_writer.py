@@ -48,6 +48,22 @@ class SpoolUnavailable(RuntimeError):
     """The spool folder cannot be used: another process holds it, or it is not writable."""
 
 
+def lock_spool(folder: Path) -> int:
+    """Take the spool folder for this process (an flock, released when the returned file
+    descriptor is closed): two control planes replaying one spool would bill twice."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SpoolUnavailable(
+            f"another hotpool process uses the spool folder {folder}; "
+            "give each control plane its own HOTPOOL_SPOOL_DIR"
+        ) from None
+    return fd
+
+
 class LedgerWriter:
     def __init__(
         self,
@@ -301,18 +317,7 @@ class LedgerWriter:
 
     def _recover(self) -> None:
         assert self.spool is not None and self.journal is not None
-        folder = self.spool.folder
-        folder.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-            raise SpoolUnavailable(
-                f"another hotpool process uses the spool folder {folder}; "
-                "give each control plane its own HOTPOOL_SPOOL_DIR"
-            ) from None
+        self._lock_fd = lock_spool(self.spool.folder)
         records = self.journal.recover()
         if records:
             self.spool.append(records)  # safe before the journal that held them goes

@@ -17,6 +17,7 @@ from hotpool.billing.deployments import DeploymentSpec, DeploymentStore
 from hotpool.heap import settle_heap
 from hotpool.http_protocol import HeadCorkedHttpToolsProtocol
 from hotpool.platform.app import build_services, create_app
+from hotpool.platform.ledger_writer import SpoolUnavailable, lock_spool
 from hotpool.pool.backend import WorkerBackend
 from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig, visible_gpus
 from hotpool.settings import Settings
@@ -110,6 +111,23 @@ def ray_backend(settings: Settings, host: str, port: int, token: str) -> WorkerB
     return rb.RayWorkerBackend(config, gpus)
 
 
+def _check_spool_free(settings: Settings) -> None:
+    """Fail before the banner when another control plane serves this home: the ledger
+    writer would only find out in the app's start-up, after "serving on" and in a traceback.
+    (The writer takes the lock for good at start-up; this look is released at once.)"""
+    try:
+        os.close(lock_spool(settings.ledger_spool_dir))
+    except SpoolUnavailable as exc:
+        raise StartupError(
+            f"{exc} (is another `hotpool serve` running on {settings.home}?)"
+        ) from None
+    except OSError as exc:
+        raise StartupError(
+            f"cannot use the spool folder {settings.ledger_spool_dir} (HOTPOOL_SPOOL_DIR): "
+            f"{exc.strerror or exc}"
+        ) from None
+
+
 def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per worker call otherwise
     try:
@@ -118,6 +136,7 @@ def serve(settings: Settings, deploy: list[DeploymentSpec] | None = None) -> Non
         raise StartupError(
             f"HOTPOOL_HOME {settings.home} is not a folder hotpool can use: {exc.strerror or exc}"
         ) from None
+    _check_spool_free(settings)
     db = open_database(settings)
     store = DeploymentStore(db)
     for spec in deploy or []:

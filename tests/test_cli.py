@@ -3,12 +3,15 @@ commands, and what a user sees when the control plane is not running."""
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
 import pytest
 from cli_runner import invoke
 from click.testing import CliRunner, Result
+
+from hotpool.platform.ledger_writer import lock_spool
 
 
 @pytest.fixture
@@ -133,6 +136,22 @@ def test_a_home_that_is_a_file_is_one_line(run: CliRunner, tmp_path: Path) -> No
     env = {"HOTPOOL_HOME": str(tmp_path / "file")}
     for args in (("db", "current"), ("tenants", "list"), ("ledger", "check"), ("serve",)):
         assert "File exists" in _one_line_error(invoke(run, *args, env=env))
+
+
+def test_a_second_serve_on_one_home_is_one_line_before_any_banner(
+    run: CliRunner, home: Path
+) -> None:
+    """The spool lock a running `hotpool serve` holds (taken here in this process, as the
+    first server's ledger writer takes it) stops a second one before it prints its banner."""
+    fd = lock_spool(home / "spool")
+    try:
+        result = invoke(run, "serve", "--port", "0")
+    finally:
+        os.close(fd)
+    line = _one_line_error(result)
+    assert "another hotpool process uses the spool folder" in line
+    assert f"is another `hotpool serve` running on {home}" in line
+    assert "serving on" not in result.output
 
 
 def test_an_unknown_revision_is_one_line(run: CliRunner) -> None:
