@@ -71,6 +71,7 @@ class _Tally:
     error: str | None = None
     lease: Lease | None = None
     delivered: bool = False  # an event reached the caller: no retry from here on
+    invalid: bool = False  # refused with a 400 before any event: not a request to bill
     last_token: dict[int, float] = field(default_factory=dict)  # choice -> its last token's time
     texts: dict[int, list[str]] | None = None  # choice -> its output, kept only to be logged
 
@@ -170,6 +171,9 @@ class Invoker:
             raise
         except APIError as exc:
             tally.error = tally.error or exc.message
+            # The client's error, found only now (a prompt past the context, a template
+            # the messages break): no request in the ledger, as the API's other 400s.
+            tally.invalid = exc.status == 400 and not tally.delivered
             raise
         except httpx.HTTPError as exc:
             tally.status = "partial" if tally.usage.completion_tokens else "error"
@@ -180,7 +184,10 @@ class Invoker:
                 502, f"the replica serving {spec.name!r} failed: {exc!r}", type="api_error"
             ) from exc
         finally:
-            self._account(spec, call, request_id, tally, caller)
+            if tally.invalid:
+                self.ledger.withdraw(request_id)
+            else:
+                self._account(spec, call, request_id, tally, caller)
 
     async def _attempt(
         self,

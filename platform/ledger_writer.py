@@ -138,6 +138,12 @@ class LedgerWriter:
         if self.journal is not None:
             self.journal.progress(request_id, prompt, completion, cached)
 
+    def withdraw(self, request_id: str) -> None:
+        """A request refused as invalid (a 400) before it generated anything: no record, as
+        for every 400 the API's validation answers, and nothing left in the journal."""
+        if self.journal is not None:
+            self.journal.done([request_id])
+
     def submit(self, record: UsageRecord) -> None:
         now = time.time()
         if self.journal is not None:

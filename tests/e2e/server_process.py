@@ -41,6 +41,14 @@ class Server:
             db.dispose()
         raise AssertionError(f"no ledger row for {request_id}")
 
+    def ledger_ids(self) -> set[str]:
+        """The request ids the ledger holds (the last thousand)."""
+        db = Database(f"sqlite:///{self.home / 'hotpool.db'}")
+        try:
+            return {r.request_id for r in Ledger(db).events(limit=1000)}
+        finally:
+            db.dispose()
+
     def log(self) -> str:
         return (self.home / "serve.log").read_text(errors="replace")
 

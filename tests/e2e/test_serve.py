@@ -143,7 +143,9 @@ def test_a_prompt_past_the_context_by_megabytes_holds_up_no_other_request(
 
 
 def test_bad_requests_get_openai_errors_and_no_worker_time(server: Server) -> None:
+    refused = []
     r = _chat(server, "hi", max_tokens=100_000)
+    refused.append(r.headers["x-request-id"])
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
     # OpenAI's code and param, which clients (and the openai SDK's users) branch on
     assert r.json()["error"]["code"] == "context_length_exceeded"
@@ -154,6 +156,12 @@ def test_bad_requests_get_openai_errors_and_no_worker_time(server: Server) -> No
     )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert r.json()["error"]["param"] == "prompt"
+    refused.append(r.headers["x-request-id"])
+    # Like every other 400, a request past the context is no request in the ledger: the
+    # next good one's row is written after theirs would have been.
+    ok = _chat(server, "Say hi.", max_tokens=2)
+    server.ledger_row(ok.headers["x-request-id"])
+    assert not set(refused) & server.ledger_ids()
     r = httpx.post(
         server.url + CHAT, json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}
     )
