@@ -107,6 +107,8 @@ class DeploymentSpec:
     speculative: str | None = None
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
+    default_max_tokens: int | None = None
+    max_tokens_limit: int | None = None
     generation: int = 1
     canary_version: int | None = None
     canary_percent: float | None = None
@@ -138,6 +140,8 @@ class DeploymentSpec:
             ("max_queue", 1),
             ("max_model_len", MIN_MAX_MODEL_LEN),
             ("kv_cache_bytes", MIN_KV_CACHE_BYTES),
+            ("default_max_tokens", 1),
+            ("max_tokens_limit", 1),
         ):
             value = getattr(self, name)
             if value is not None and not _int_at_least(value, minimum):
@@ -146,6 +150,11 @@ class DeploymentSpec:
             raise ValueError(
                 f"kv_cache_bytes must be at most {MAX_KV_CACHE_BYTES} (16 TiB), "
                 f"got {self.kv_cache_bytes}"
+            )
+        default, limit = self.default_max_tokens, self.max_tokens_limit
+        if default is not None and limit is not None and default > limit:
+            raise ValueError(
+                f"default_max_tokens ({default}) must be at most max_tokens_limit ({limit})"
             )
         timeout = self.queue_timeout_s
         if timeout is not None and not (
@@ -512,6 +521,8 @@ def _values(spec: DeploymentSpec) -> dict[str, Any]:
         "tenant_id": spec.tenant_id,
         "max_queue": spec.max_queue,
         "queue_timeout_s": None if timeout is None else float(timeout),
+        "default_max_tokens": spec.default_max_tokens,
+        "max_tokens_limit": spec.max_tokens_limit,
         "dtype": spec.dtype,
         "quantization": spec.quantization,
         "speculative": spec.speculative,
@@ -537,6 +548,8 @@ def _spec(row: Deployment) -> DeploymentSpec:
         speculative=row.speculative,
         max_model_len=row.max_model_len,
         kv_cache_bytes=row.kv_cache_bytes,
+        default_max_tokens=row.default_max_tokens,
+        max_tokens_limit=row.max_tokens_limit,
         generation=row.generation,
         canary_version=row.canary_version,
         canary_percent=row.canary_percent,

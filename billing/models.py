@@ -134,6 +134,8 @@ class Deployment(Base):
         CheckConstraint("quantization IN ('none', 'int8', 'gguf')", name="quantization_valid"),
         CheckConstraint("max_model_len >= 16", name="max_model_len_min"),
         CheckConstraint("kv_cache_bytes >= 1048576", name="kv_cache_bytes_min"),
+        CheckConstraint("default_max_tokens >= 1", name="default_max_tokens_positive"),
+        CheckConstraint("max_tokens_limit >= 1", name="max_tokens_limit_positive"),
         CheckConstraint("generation >= 1", name="generation_positive"),
         CheckConstraint(
             "canary_percent >= 0 AND canary_percent <= 100", name="canary_percent_range"
@@ -155,6 +157,10 @@ class Deployment(Base):
     speculative: Mapped[str | None] = mapped_column(Text)  # the policy's JSON; NULL: none
     max_model_len: Mapped[int | None] = mapped_column(Integer)
     kv_cache_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # An answer's length: what a request without max_tokens gets, and the most one may ask
+    # for (NULL: up to the context). Not a version's: the control plane applies them.
+    default_max_tokens: Mapped[int | None] = mapped_column(Integer)
+    max_tokens_limit: Mapped[int | None] = mapped_column(Integer)
     generation: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     # Versions (see DeploymentVersion): ``generation`` is the stable version's number; a
     # canary version takes ``canary_percent`` of the requests; ``previous_version`` is the

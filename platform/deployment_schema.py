@@ -127,6 +127,8 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "kv_cache_bytes": _int(
         "kv_cache_bytes", MIN_KV_CACHE_BYTES, nullable=True, maximum=MAX_KV_CACHE_BYTES
     ),
+    "default_max_tokens": _int("default_max_tokens", 1, nullable=True),
+    "max_tokens_limit": _int("max_tokens_limit", 1, nullable=True),
 }
 
 

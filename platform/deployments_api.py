@@ -31,6 +31,7 @@ from hotpool.billing.deployments import (
 )
 from hotpool.billing.scale_events import ScaleEventRecord
 from hotpool.billing.versions import VersionRecord
+from hotpool.platform.answer_bounds import answer_bounds_json
 from hotpool.platform.auth import Principal, authorize, owned
 from hotpool.platform.deployment_schema import REPLICA_FIELDS, parse_deployment, parse_update
 from hotpool.platform.errors import APIError, invalid
@@ -78,6 +79,7 @@ def deployment_json(spec: DeploymentSpec, services: Services) -> dict[str, Any]:
             "max_model_len": spec.max_model_len,  # null: the model's own
             "kv_cache_bytes": spec.kv_cache_bytes or settings.kv_cache_bytes,
         },
+        "answers": answer_bounds_json(spec),
         "created_at": int(spec.created_at.timestamp()) if spec.created_at else None,
         "queued_requests": services.router.waiting[spec.name],
         "replicas": [r.describe() for r in replicas],

@@ -18,6 +18,7 @@ import httpx
 
 from hotpool.billing.deployments import DeploymentSpec
 from hotpool.billing.ledger import UsageRecord
+from hotpool.platform.answer_bounds import bounded
 from hotpool.platform.errors import APIError
 from hotpool.platform.inflight import OpenRequest
 from hotpool.platform.ledger_writer import LedgerWriter
@@ -116,6 +117,7 @@ class Invoker:
         if isinstance(target, DeploymentSpec):
             target = Target(target, not_version=target.canary_version)
         spec = target.spec
+        call = bounded(call, spec)
         tally = _Tally(n=call.params.n)
         if self.log_prompts and requests_log.isEnabledFor(logging.DEBUG):
             tally.texts = {}

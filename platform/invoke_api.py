@@ -5,8 +5,8 @@ chat API), an optional ``params`` object of sampling parameters (``max_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``stop``, ``seed``, the penalties,
 ``min_tokens``, ``ignore_eos``, ``n``, ``logprobs``: top alternatives per token, 0-20,
 ``response_format``: as OpenAI's chat API, text, json_object or json_schema) and
-``stream``. ``max_tokens`` defaults as in the OpenAI routes: 16 for a prompt, up to the
-context length for messages.
+``stream``. ``max_tokens`` defaults as in the OpenAI routes: the deployment's
+``default_max_tokens``, else 16 for a prompt and up to the context length for messages.
 
 The answer holds each choice's text and token ids; streamed, it is newline-delimited JSON:
 ``{"index", "text", "token_ids"}`` per delta, then ``{"usage", "finish_reasons"}``. With
@@ -58,7 +58,7 @@ def parse_invoke(body: Any, deployment: str) -> CompletionCall:
     raw = b.opt("params", dict, {})
     try:
         p = Body(raw, PARAM_FIELDS)
-        max_tokens = p.opt_int("max_tokens", 1, default=16 if prompt is not None else None)
+        max_tokens = p.opt_int("max_tokens", 1)  # None: hotpool.platform.answer_bounds's
         params = sampling_params(p, max_tokens, p.opt_int("logprobs", 0))
     except APIError as exc:
         if exc.param is None:

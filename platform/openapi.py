@@ -136,6 +136,8 @@ SPECULATIVE_OUT: Schema = null(
 COUNT = integer(0)
 UNIX = integer(description="Unix time in seconds")
 PHASES = null({"type": "object", "additionalProperties": NUM})
+# hotpool.platform.answer_bounds: how long an answer may be (null: no bound but the context)
+ANSWERS = every({"default_max_tokens": null(integer(1)), "max_tokens_limit": null(integer(1))})
 BYTES = arr(integer(0, 255))
 TOKEN_LOGPROB = {"token": STR, "logprob": NUM, "bytes": BYTES}
 FINISH = strings("stop", "length")
@@ -350,7 +352,13 @@ COMPONENTS: dict[str, Schema] = {
         chunk=True,
     ),
     "Model": every(
-        {"id": STR, "object": const("model"), "created": UNIX, "owned_by": const("hotpool")}
+        {
+            "id": STR,
+            "object": const("model"),
+            "created": UNIX,
+            "owned_by": const("hotpool"),
+            "answers": ANSWERS,
+        }
     ),
     "ModelList": every({"object": const("list"), "data": arr(ref("Model"))}),
     "NativeLogprob": every(
@@ -456,6 +464,7 @@ COMPONENTS: dict[str, Schema] = {
                     "kv_cache_bytes": integer(1),
                 }
             ),
+            "answers": ANSWERS,
             "created_at": null(UNIX),
             "queued_requests": COUNT,
             "replicas": arr(ref("Replica")),
@@ -702,7 +711,11 @@ COMPONENTS: dict[str, Schema] = {
 
 NUL_INT_1 = null(integer(1))
 SAMPLING: dict[str, Schema] = {
-    "max_tokens": NUL_INT_1,
+    "max_tokens": {
+        **NUL_INT_1,
+        "description": "Default: the deployment's `default_max_tokens`, else up to the context "
+        "length. Above the deployment's `max_tokens_limit`: 400.",
+    },
     "temperature": null(number(0.0, 2.0)),
     "top_p": null(number(0.0, 1.0, open_lo=True)),
     "n": null(integer(1, MAX_N)),
@@ -767,7 +780,11 @@ COMPLETION_REQUEST = obj(
             "anyOf": [text(minLength=1), arr(text(minLength=1), minItems=1, maxItems=1)],
             "description": "One prompt (batches and token arrays are not supported yet).",
         },
-        "max_tokens": {**NUL_INT_1, "description": "Default 16."},
+        "max_tokens": {
+            **NUL_INT_1,
+            "description": "Default: the deployment's `default_max_tokens`, else 16. Above its "
+            "`max_tokens_limit`: 400.",
+        },
         "logprobs": null(integer(0, schemas.MAX_LEGACY_LOGPROBS)),
         "echo": unsupported({"enum": [False, None]}),
         "suffix": unsupported(NULL),
@@ -779,7 +796,8 @@ INVOKE_PARAMS = {
     **SAMPLING,
     "max_tokens": {
         **NUL_INT_1,
-        "description": "Default 16 for a prompt; up to the context length for messages.",
+        "description": "Default: the deployment's `default_max_tokens`, else 16 for a prompt "
+        "and up to the context length for messages. Above its `max_tokens_limit`: 400.",
     },
     "logprobs": null(integer(0, MAX_LOGPROBS)),
     "response_format": null(ref("ResponseFormat")),
@@ -827,6 +845,16 @@ DEPLOYMENT_FIELDS: dict[str, Schema] = {
     "speculative": SPECULATIVE_IN,
     "max_model_len": null(integer(MIN_MAX_MODEL_LEN, INT)),
     "kv_cache_bytes": null(integer(MIN_KV_CACHE_BYTES, MAX_KV_CACHE_BYTES)),
+    "default_max_tokens": {
+        **null(integer(1, INT)),
+        "description": "What a request without `max_tokens` gets (null: OpenAI's defaults, 16 "
+        "for a prompt and up to the context for chat). At most `max_tokens_limit`.",
+    },
+    "max_tokens_limit": {
+        **null(integer(1, INT)),
+        "description": "The most `max_tokens` a request may ask for (400 above it); null: the "
+        "context length.",
+    },
 }
 CREATE_DEPLOYMENT = obj({"name": DEPLOYMENT_NAME, **DEPLOYMENT_FIELDS}, ("name", "snapshot_uri"))
 CANARY = {

@@ -109,7 +109,8 @@ def parse_completion(body: Any) -> CompletionCall:
         prompt = prompt[0]
     if prompt == "":
         raise invalid("`prompt` must not be empty", "prompt")
-    max_tokens = b.opt_int("max_tokens", 1, default=16)  # OpenAI's default for completions
+    # None: OpenAI's 16, or the deployment's default_max_tokens (hotpool.platform.answer_bounds)
+    max_tokens = b.opt_int("max_tokens", 1)
     b.unsupported_unless("echo", lambda v: v in (None, False))
     b.unsupported_unless("suffix", lambda v: v is None)
     b.unsupported_unless("best_of", lambda v: v is None or _number_is(v, 1))

@@ -91,7 +91,7 @@ def test_db_upgrade_then_current(run: CliRunner, home: Path) -> None:
 
     result = invoke(run, "db", "current")
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == "0010"
+    assert result.stdout.strip() == "0011"
 
     # Upgrading again is a no-op.
     assert invoke(run, "db", "upgrade").stdout.strip() == "database at revision 0010"

@@ -368,7 +368,7 @@ def test_migration_0003_up_and_down(db: Database, store: KeyStore) -> None:
         ]
 
     db.upgrade()
-    assert db.current_revision() == "0010"
+    assert db.current_revision() == "0011"
     assert store.list() == []
     [event] = Ledger(db).events()
     assert (event.request_id, event.api_key_id) == ("kept", None)

@@ -28,7 +28,7 @@ LEDGER_TABLES = {
     "usage_rollups_hourly",
     "deployment_versions",
 }
-HEAD = "0010"
+HEAD = "0011"
 
 
 def _tables(db: Database) -> set[str]:

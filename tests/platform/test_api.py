@@ -318,7 +318,10 @@ def test_create_deployment_shows_everywhere(client: TestClient, snapshot: Path) 
     assert client.get("/v1/deployments").json() == {"object": "list", "data": []}
     assert client.get("/v1/models").json() == {"object": "list", "data": []}
 
-    r = deploy(client, snapshot, max_replicas=3, target_concurrency=4, idle_timeout_s=60)
+    r = deploy(
+        client, snapshot, max_replicas=3, target_concurrency=4, idle_timeout_s=60,
+        default_max_tokens=256, max_tokens_limit=2048,
+    )  # fmt: skip
     assert r.status_code == 201, r.text
     created = r.json()
     assert created["object"] == "deployment"
@@ -339,6 +342,8 @@ def test_create_deployment_shows_everywhere(client: TestClient, snapshot: Path) 
         "max_model_len": None,
         "kv_cache_bytes": 1 << 30,
     }
+    answers = {"default_max_tokens": 256, "max_tokens_limit": 2048}
+    assert created["answers"] == answers
     assert created["generation"] == 1 and created["last_cold_start"] is None
     assert created["replicas"] == []  # scaled to zero: no GPU held until the first request
     assert created["queued_requests"] == 0
@@ -348,7 +353,13 @@ def test_create_deployment_shows_everywhere(client: TestClient, snapshot: Path) 
     assert client.get("/v1/deployments").json()["data"] == [created]
     models = client.get("/v1/models").json()["data"]
     assert models == [
-        {"id": "tiny", "object": "model", "created": created["created_at"], "owned_by": "hotpool"}
+        {
+            "id": "tiny",
+            "object": "model",
+            "created": created["created_at"],
+            "owned_by": "hotpool",
+            "answers": answers,  # what a client may ask for, without the deployments API
+        }
     ]
     assert client.get("/v1/models/tiny").json() == models[0]
 
@@ -556,6 +567,9 @@ def test_a_model_type_workers_cannot_run_is_422(client: TestClient, tmp_path: Pa
         ({"kv_cache_bytes": (1 << 44) + 1}, "kv_cache_bytes"),  # more than any machine holds
         ({"kv_cache_bytes": (1 << 63) - 1}, "kv_cache_bytes"),
         ({"min_replicas": 3, "max_replicas": 2}, "min_replicas"),
+        ({"default_max_tokens": 0}, "default_max_tokens"),
+        ({"max_tokens_limit": "many"}, "max_tokens_limit"),
+        ({"default_max_tokens": 600, "max_tokens_limit": 500}, "default_max_tokens"),
     ],
 )
 def test_bad_scaling_is_400(
@@ -1208,3 +1222,29 @@ def test_a_client_that_leaves_mid_body_is_a_quiet_499(
     assert sent[0]["status"] == 499
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert "Traceback" not in caplog.text
+
+
+def test_an_answer_longer_than_the_deployment_allows_is_a_400_before_any_replica(
+    client: TestClient, services: Services, snapshot: Path
+) -> None:
+    assert deploy(client, snapshot, max_tokens_limit=64).status_code == 201
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 65}
+    err = error_of(client.post("/v1/chat/completions", json=chat), 400)
+    assert err["param"] == "max_tokens" and "at most 64" in err["message"]
+    prompt = {"model": "tiny", "prompt": "hi", "max_tokens": 1000}
+    assert error_of(client.post("/v1/completions", json=prompt), 400)["param"] == "max_tokens"
+    native = {"prompt": "hi", "params": {"max_tokens": 65}}
+    err = error_of(client.post("/v1/deployments/tiny/invoke", json=native), 400)
+    assert err["param"] == "params.max_tokens"
+    assert services.pool.replicas("tiny") == []  # refused before admission: nothing started
+
+    # The bounds change at once (no new version: replicas are not involved)...
+    r = client.patch("/v1/deployments/tiny", json={"default_max_tokens": 32})
+    assert r.status_code == 200, r.text
+    assert r.json()["answers"] == {"default_max_tokens": 32, "max_tokens_limit": 64}
+    assert r.json()["generation"] == 1
+    # ...and stay consistent with each other.
+    r = client.patch("/v1/deployments/tiny", json={"max_tokens_limit": 16})
+    assert error_of(r, 400)["param"] == "default_max_tokens"
+    r = client.patch("/v1/deployments/tiny", json={"default_max_tokens": None})
+    assert r.json()["answers"] == {"default_max_tokens": None, "max_tokens_limit": 64}

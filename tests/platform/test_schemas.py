@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from hotpool.billing.deployments import DeploymentSpec
+from hotpool.platform.answer_bounds import bounded
 from hotpool.platform.errors import APIError
 from hotpool.platform.schemas import parse_chat, parse_completion
 from hotpool.worker.protocol import ChatMessage
@@ -34,7 +36,9 @@ def test_minimal_completion_body_defaults_to_16_tokens() -> None:
     assert call.endpoint == "completions"
     assert call.prompt == "Once upon a time"
     assert call.messages is None
-    assert call.params.max_tokens == 16
+    # Left to the deployment's default_max_tokens, else OpenAI's 16 (answer_bounds).
+    assert call.params.max_tokens is None
+    assert bounded(call, DeploymentSpec("m", "file:///m")).params.max_tokens == 16
 
 
 def test_full_chat_body_is_carried_through() -> None:
