@@ -35,7 +35,7 @@ from hotpool.platform.auth import Authenticator, authorize
 from hotpool.platform.deployments_api import event_json
 from hotpool.platform.errors import invalid
 from hotpool.platform.services import Services
-from hotpool.platform.spec_stats import SpecStats, deployment_spec_stats
+from hotpool.platform.spec_stats import SpecStats
 from hotpool.platform.usage_api import EPOCH, tenant_filter, time_param
 from hotpool.pool.replica import ReplicaState
 
@@ -123,7 +123,8 @@ async def get_summary(request: Request) -> Response:
             replicas.setdefault(r.deployment, Counter())[r.state.value] += 1
             states_by_version[r.deployment][r.generation] += 1
     stats = {s.deployment: s for s in ledger.stats}
-    spec_stats = deployment_spec_stats(services.pool)
+    # Over the replicas live and gone: a deployment scaled to zero keeps its acceptance rate.
+    spec_stats = services.spec_tally.stats(services.pool, services.catalog.all())
     deployments = []
     for name in sorted(set(specs) | set(stats)):
         spec, s = specs.get(name), stats.get(name)
@@ -170,8 +171,9 @@ async def get_summary(request: Request) -> Response:
 
 
 def _speculation_json(spec: DeploymentSpec | None, stats: SpecStats | None) -> Any:
-    """The deployment's speculative decoding (method, k) with its live replicas' figures;
-    None when it does not speculate."""
+    """The deployment's speculative decoding (method, k) with its figures: tokens proposed
+    and accepted over its replicas live and gone, and its ready replicas that report (with
+    the switch on); None when it does not speculate."""
     if spec is None or spec.speculative is None:
         return None
     policy = json.loads(spec.speculative)

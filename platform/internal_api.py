@@ -62,6 +62,8 @@ async def heartbeat(request: Request) -> Response:
         services.registry.heartbeat(info)
     except UnknownWorker:
         raise APIError(404, f"worker {info.worker_id} is not registered") from None
+    # Speculation's counts go with a replica that goes: the dashboard keeps its last ones.
+    services.spec_tally.observe(services.pool, services.catalog.all())
     return JSONResponse({"status": "ok"})
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -22,6 +22,7 @@ from hotpool.platform.metrics import Metrics
 from hotpool.platform.router import Router
 from hotpool.platform.scale_log import ScaleEventWriter
 from hotpool.platform.schema_checks import SchemaChecker
+from hotpool.platform.spec_stats import SpecTally
 from hotpool.pool.autoscaler import Autoscaler
 from hotpool.pool.pool import WorkerPool
 from hotpool.pool.registry import WorkerRegistry
@@ -52,6 +53,8 @@ class Services:
     tenants: TenantStore
     keys: KeyStore
     schemas: SchemaChecker
+    # Speculation's counts over replicas live and gone (fed by heartbeats, read by the dashboard).
+    spec_tally: SpecTally = field(default_factory=SpecTally)
 
     def begin_shutdown(self) -> None:
         """A graceful stop begins (before the listener closes): running streams go on, but

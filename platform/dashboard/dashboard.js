@@ -376,39 +376,56 @@ function drawSeries(d, currency) {
   });
 }
 
+const tokensOf = (g) => g.input + g.output;
+const byTokens = (a, b) => tokensOf(b) - tokensOf(a);
+// A group with no price (its deployment's is not set) after those with one; ties by tokens.
+const byCost = (a, b) => (b.costMicros ?? -1) - (a.costMicros ?? -1) || byTokens(a, b);
+
 function drawTop(chartId, tableId, summed, currency) {
-  const byTokens = [...summed.groups].sort((a, b) => (b.input + b.output) - (a.input + a.output)).slice(0, 8);
+  const top = [...summed.groups].sort(byTokens).slice(0, 8);
   chart(chartId, {
     type: "bar",
     data: {
-      labels: byTokens.map((g) => g.name),
+      labels: top.map((g) => g.name),
       datasets: [
-        { label: "input", data: byTokens.map((g) => g.input), backgroundColor: "#2563eb", stack: "t" },
-        { label: "output", data: byTokens.map((g) => g.output), backgroundColor: "#16a34a", stack: "t" },
+        { label: "input", data: top.map((g) => g.input), backgroundColor: "#2563eb", stack: "t" },
+        { label: "output", data: top.map((g) => g.output), backgroundColor: "#16a34a", stack: "t" },
       ],
     },
     options: baseOptions({ indexAxis: "y", scales: { x: countAxis(true), y: { stacked: true } } }),
   });
-  const byCost = [...summed.groups].sort((a, b) => (b.costMicros || 0) - (a.costMicros || 0)).slice(0, 8);
+  // With prices the table ranks by cost. With none, a column of dashes would rank nothing:
+  // it ranks by tokens, what cost follows, and says how to set prices.
+  const priced = summed.groups.some((g) => g.costMicros !== null);
+  const ranked = [...summed.groups].sort(priced ? byCost : byTokens).slice(0, 8);
   const table = $(tableId);
   table.replaceChildren();
+  const columns = [[priced ? "By cost" : "By tokens", ""], ["Requests", "num"], ["Tokens", "num"]];
+  if (priced) columns.push(["Cost", "num"]);
   const head = table.createTHead().insertRow();
-  for (const [text, cls] of [["By cost", ""], ["Requests", "num"], ["Tokens", "num"], ["Cost", "num"]]) {
+  for (const [text, cls] of columns) {
     const th = document.createElement("th");
     th.textContent = text;
     if (cls) th.className = cls;
     head.appendChild(th);
   }
   const body = table.createTBody();
-  for (const g of byCost) {
+  for (const g of ranked) {
     const row = body.insertRow();
     row.dataset.name = g.name;
-    row.dataset.tokens = String(g.input + g.output);
+    row.dataset.tokens = String(tokensOf(g));
     row.dataset.costMicros = g.costMicros === null ? "" : String(g.costMicros);
     cell(row, g.name);
     cell(row, formatCount(g.requests), "num");
-    cell(row, formatCount(g.input + g.output), "num");
-    cell(row, formatMoney(g.costMicros, currency), "num");
+    cell(row, formatCount(tokensOf(g)), "num");
+    if (priced) cell(row, formatMoney(g.costMicros, currency), "num");
+  }
+  if (!priced && ranked.length) {
+    // The README's "Usage, prices and cost" says more; the page cannot link to it (the
+    // control plane does not serve it), so it names the command and the API.
+    const code = (text) => Object.assign(document.createElement("code"), { textContent: text });
+    table.createCaption().append("No prices are set, so this ranks by tokens. An admin sets "
+      + "them with ", code("hotpool prices set"), " or ", code("POST /v1/prices"), ".");
   }
 }
 
@@ -440,20 +457,38 @@ function drawLatency(summary) {
     ["total p50", (d) => d.total_seconds.p50, "#86efac"],
     ["total p95", (d) => d.total_seconds.p95, "#16a34a"],
   ];
+  const datasets = series.map(([label, f, color]) => ({ label, data: rows.map(f), backgroundColor: color }));
   chart("chart-latency", {
     type: "bar",
-    data: {
-      labels: rows.map((d) => d.name),
-      datasets: series.map(([label, f, color]) => ({ label, data: rows.map(f), backgroundColor: color })),
-    },
+    data: { labels: rows.map((d) => d.name), datasets },
     options: baseOptions({
-      scales: { y: { beginAtZero: true, ticks: { callback: (v) => formatSeconds(v) } } },
+      scales: { y: latencyAxis(datasets.flatMap((d) => d.data)) },
       plugins: {
         legend: { position: "bottom" },
         tooltip: { callbacks: { label: (c) => `${c.dataset.label}: ${formatSeconds(c.raw)}` } },
       },
     }),
   });
+}
+
+// Logarithmic: on a linear axis one request 100x slower than the rest leaves every other
+// bar a pixel high. The bars rise from a decade below the fastest one's, so it keeps a
+// height too (a log axis has no zero to start from).
+function latencyAxis(values) {
+  const positive = values.filter((v) => v > 0);
+  const fastest = positive.length ? Math.min(...positive) : 0.1;
+  return {
+    type: "logarithmic",
+    min: 10 ** (Math.floor(Math.log10(fastest)) - 1),
+    ticks: { callback: (v) => formatSecondsTick(v) },
+  };
+}
+
+function formatSecondsTick(v) {
+  // 1, 2 and 5 of each decade: the other ticks of a log axis would crowd it.
+  const mantissa = Math.round(v / 10 ** Math.floor(Math.log10(v)));
+  if (![1, 2, 5].includes(mantissa)) return "";
+  return v < 1 ? `${+(v * 1000).toPrecision(3)} ms` : `${+v.toPrecision(3)} s`;
 }
 
 function drawReplicas(d) {
@@ -530,15 +565,15 @@ function deploymentState(d) {
 }
 
 // Speculative decoding beside the deployment: its method and k, the share of proposed tokens
-// its ready replicas accepted, and "off" while the automatic switch has it off on all of them.
+// its replicas accepted, and "off" while the automatic switch has it off on all the ready
+// ones. The counts outlive the replicas (the control plane keeps the last ones of those that
+// went), so a deployment scaled to zero still shows the rate it had.
 function formatSpeculation(s) {
   if (!s) return "–";
   const what = `${s.method} k=${s.num_tokens}`;
-  if (!s.replicas) return what;
-  const rate = s.acceptance_rate === null ? "no proposals yet"
-    : `${Math.round(100 * s.acceptance_rate)}% accepted`;
-  const off = s.enabled_replicas === 0 ? ", off under load" : "";
-  return `${what} · ${rate}${off}`;
+  if (s.acceptance_rate === null) return s.replicas ? `${what} · no proposals yet` : what;
+  const off = s.replicas && s.enabled_replicas === 0 ? ", off under load" : "";
+  return `${what} · ${Math.round(100 * s.acceptance_rate)}% accepted${off}`;
 }
 
 function drawDeployments(summary) {

@@ -5,11 +5,15 @@ The ledger holds a month of generated usage for two tenants (written straight in
 server's SQLite file, with prices in force, so costs are real ledger costs) plus real
 requests to SmolLM2, whose cold start gives scale events with phases. Every number the page
 draws is compared with what ``/v1/usage`` and ``/v1/usage/summary`` report for the same
-window; tenant A's page never shows a name of tenant B's; the console stays clean.
+window; tenant A's page never shows a name of tenant B's; the console stays clean. One
+request took 100 times longer than the others (the latency bars must stay readable), and a
+server with no prices shows rankings by tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import random
 import re
@@ -47,7 +51,10 @@ expect = sync_api.expect
 expect.set_options(timeout=30_000)
 
 RANGES = ("1h", "24h", "7d", "30d")
+# One batch job of alpha's took 50 minutes, 100 times the slowest of its other requests.
+SLOW_DEPLOYMENT, SLOW_SECONDS = "alpha-batch", 3000.0
 STATUSES = ("completed", "completed", "completed", "partial", "error", "cancelled")
+NO_VALUE = "\u2013"  # the en dash the page shows where it has no value
 
 
 @dataclass
@@ -106,6 +113,14 @@ def _seed(db: Database, now: datetime) -> tuple[dict[str, str], dict[str, set[st
                     created_at=now - ago,
                 )
             )
+        if tenant_name == "alpha":
+            records.append(
+                UsageRecord(f"seed-{SLOW_DEPLOYMENT}", SLOW_DEPLOYMENT, "chat.completions",
+                            "completed", 1200, 300, tenant_id=tenant.id, api_key_id=key_ids[2],
+                            ttft_seconds=1.5, total_seconds=SLOW_SECONDS,
+                            created_at=now - timedelta(minutes=30))
+            )  # fmt: skip
+            deployments["alpha"].add(SLOW_DEPLOYMENT)
     Ledger(db).record_many(records)
     return keys, deployments
 
@@ -249,6 +264,8 @@ def _shown(page: Any) -> dict[str, Any]:
                         label: d.label, data: d.data.map(v => (v === null ? v : Number(v)))}))}])),
                 topKeys: rows("#table-top-keys tbody tr",
                     r => [r.dataset.name, r.dataset.tokens, r.dataset.costMicros]),
+                topDeployments: rows("#table-top-deployments tbody tr",
+                    r => [r.dataset.name, r.dataset.tokens, r.dataset.costMicros]),
                 deployments: rows("#table-deployments tbody tr", r => r.dataset.name),
                 versions: rows("#table-versions tbody tr", r => [r.dataset.name,
                     Number(r.dataset.version), Number(r.dataset.requests),
@@ -310,6 +327,10 @@ def _check_against_api(page: Any, board: Board, who: str, tenant: str = "") -> d
     assert {name: (int(t), int(c or 0)) for name, t, c in shown["topKeys"]} == {
         k: (g["input"] + g["output"], g["cost"]) for k, g in by_key.items()
     }
+    # Prices are set: both rankings go by cost, the highest first.
+    for ranking in (shown["topKeys"], shown["topDeployments"]):
+        costs = [int(c) for _, _, c in ranking]
+        assert costs == sorted(costs, reverse=True), ranking
 
     status = charts["chart-status"]
     assert (
@@ -392,7 +413,9 @@ def test_a_tenant_sees_its_own_totals_in_every_chart_and_range(
     shot = tmp_path / "dashboard.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 20_000
-    if os.environ.get("HOTPOOL_DASHBOARD_SCREENSHOT"):  # docs/dashboard.png is made this way
+    # docs/dashboard.png is made this way, then `pngquant --quality=70-95 --strip` (a third
+    # of the size: the page has few colours).
+    if os.environ.get("HOTPOOL_DASHBOARD_SCREENSHOT"):
         shutil.copy(shot, os.environ["HOTPOOL_DASHBOARD_SCREENSHOT"])
 
     for range_ in RANGES:
@@ -400,6 +423,36 @@ def test_a_tenant_sees_its_own_totals_in_every_chart_and_range(
         page.click(f"[data-range='{range_}']")
         _wait_loaded(page, before, range_)
         assert "beta" not in _check_against_api(page, board, "alpha:usage")["names"]
+
+
+def _latency_bars(page: Any) -> list[dict[str, Any]]:
+    """Each bar of the latency chart as drawn: its value, and its height as a share of the
+    chart's plot area (from the chart's own geometry: what a person sees)."""
+    return page.evaluate(  # type: ignore[no-any-return]
+        """() => {
+            const c = window.hotpoolDashboard.charts["chart-latency"];
+            const height = c.chartArea.bottom - c.chartArea.top;
+            return c.data.datasets.flatMap((d, i) => c.getDatasetMeta(i).data.map((bar, j) => ({
+                deployment: c.data.labels[j], series: d.label, seconds: d.data[j],
+                share: (bar.base - bar.y) / height})));
+        }"""
+    )
+
+
+def test_one_slow_request_leaves_the_other_latency_bars_readable(page: Any, board: Board) -> None:
+    _sign_in(page, board.keys["alpha:usage"])
+    _wait_loaded(page)
+    bars = [b for b in _latency_bars(page) if b["seconds"] is not None]
+    slowest = max(bars, key=lambda b: b["seconds"])
+    assert (slowest["deployment"], slowest["seconds"]) == (SLOW_DEPLOYMENT, SLOW_SECONDS)
+    assert slowest["share"] == pytest.approx(max(b["share"] for b in bars))
+    ordinary = [b for b in bars if b["seconds"] <= SLOW_SECONDS / 100]
+    assert {b["deployment"] for b in ordinary} >= {"alpha-chat", "alpha-summarize", "alpha-live"}
+    # On a linear axis these were at most 1% of the plot's height (a pixel or two); each
+    # keeps a tenth of it at least, and a slower request still draws a taller bar.
+    assert min(b["share"] for b in ordinary) > 0.1, ordinary
+    by_seconds = sorted(bars, key=lambda b: b["seconds"])
+    assert [b["share"] for b in by_seconds] == sorted(b["share"] for b in by_seconds)
 
 
 def test_the_page_refreshes_by_itself(page: Any, board: Board) -> None:
@@ -457,21 +510,96 @@ def test_the_operator_sees_every_tenant_and_can_filter_by_one(page: Any, board: 
     expect(page.locator("#board")).to_be_hidden()
 
 
+def _live(board: Board) -> dict[str, Any]:
+    summary = board.get("/v1/usage/summary", "alpha:usage")
+    return next(d for d in summary["deployments"] if d["name"] == "alpha-live")
+
+
+def test_a_deployment_scaled_to_zero_keeps_its_acceptance_rate(page: Any, board: Board) -> None:
+    """Runs after the tests that need alpha-live's replica: it scales alpha-live to zero."""
+    before = _live(board)["speculation"]
+    assert before["proposed"] > 0 and before["replicas"] == 1
+    deploy = {"authorization": f"Bearer {board.keys['alpha:invoke,deploy']}"}
+    r = httpx.patch(f"{board.server.url}/v1/deployments/alpha-live", json={"idle_timeout_s": 1},
+                    headers=deploy)  # fmt: skip
+    assert r.status_code == 200, r.text
+    board.server.wait_for(
+        "alpha-live to scale to zero", lambda: sum(_live(board)["replicas"].values()) == 0
+    )
+    after = _live(board)["speculation"]
+    # No replica reports any more; what the gone one reported last stays (no request since).
+    assert after["replicas"] == 0
+    for field in ("proposed", "accepted", "acceptance_rate"):
+        assert after[field] == before[field], field
+    _sign_in(page, board.keys["alpha:usage"])
+    _wait_loaded(page)
+    row = page.locator("#table-deployments tbody tr[data-name='alpha-live'] td")
+    expect(row.nth(2)).to_have_text("scaled to zero")
+    percent = math.floor(100 * after["acceptance_rate"] + 0.5)  # as the page rounds
+    expect(row.nth(9)).to_have_text(f"ngram k=3 · {percent}% accepted")
+
+
 def test_local_only_mode_needs_no_key_and_says_so(
     browser: Any, tmp_path: Path, smollm2_snapshot_bf16: Path
 ) -> None:
     """What `make run` users see: no sign-in, the board, and a warning that keys are off."""
     env = {"HOTPOOL_AUTH": "none", "HOTPOOL_WARM_WORKERS": "0"}
-    with running_server(tmp_path, f"file://{smollm2_snapshot_bf16}", env) as server:
-        context = browser.new_context()
-        page = context.new_page()
-        problems: list[str] = []
-        page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-        page.goto(f"{server.url}/dashboard")
+    with (
+        running_server(tmp_path, f"file://{smollm2_snapshot_bf16}", env) as server,
+        _checked_page(browser, f"{server.url}/dashboard") as page,
+    ):
         _wait_loaded(page)
         expect(page.locator("#local-mode")).to_be_visible()
         expect(page.locator("#sign-in")).to_be_hidden()
         expect(page.locator("#kpi-requests")).to_have_attribute("data-value", "0")
+
+
+@contextlib.contextmanager
+def _checked_page(browser: Any, url: str) -> Iterator[Any]:
+    """A fresh page at ``url`` whose console must stay clean."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.goto(url)
+    try:
+        yield page
+    finally:
         context.close()
     assert problems == []
+
+
+def test_without_prices_the_rankings_go_by_tokens_and_say_so(
+    browser: Any, tmp_path: Path, smollm2_snapshot_bf16: Path
+) -> None:
+    """No prices: no cost to rank by, so the tables rank by tokens (names in the reverse
+    order, so an order by name cannot pass) and say how to set prices; no column of dashes."""
+    env = {"HOTPOOL_AUTH": "none", "HOTPOOL_WARM_WORKERS": "0"}
+    tokens = {"a-small": 10, "b-large": 5000, "c-medium": 300}
+    with running_server(tmp_path, f"file://{smollm2_snapshot_bf16}", env) as server:
+        db = Database(f"sqlite:///{tmp_path / 'hotpool.db'}")
+        try:
+            at = datetime.now(UTC) - timedelta(minutes=5)
+            Ledger(db).record_many(
+                UsageRecord(f"unpriced-{name}", name, "completions", "completed", n, 0,
+                            created_at=at)
+                for name, n in tokens.items()
+            )  # fmt: skip
+        finally:
+            db.dispose()
+        usage = httpx.get(f"{server.url}/v1/usage", params={"group_by": "model"}).json()
+        assert {r["cost_micros"] for b in usage["data"] for r in b["results"]} == {None}
+        with _checked_page(browser, f"{server.url}/dashboard") as page:
+            _wait_loaded(page)
+            table = page.locator("#table-top-deployments")
+            expect(table.locator("tbody tr")).to_have_count(3)
+            names = table.locator("tbody tr").evaluate_all("rows => rows.map(r => r.dataset.name)")
+            assert names == sorted(tokens, key=lambda n: -tokens[n])
+            expect(table.locator("thead th")).to_have_text(["By tokens", "Requests", "Tokens"])
+            for table_id in ("#table-top-deployments", "#table-top-keys"):
+                note = page.locator(f"{table_id} caption")
+                expect(note).to_contain_text("No prices are set, so this ranks by tokens.")
+                expect(note).to_contain_text("hotpool prices set")
+                expect(note).to_contain_text("POST /v1/prices")
+                expect(page.locator(f"{table_id} td", has_text=NO_VALUE)).to_have_count(0)
