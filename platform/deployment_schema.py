@@ -148,6 +148,7 @@ def parse_deployment(
     if "snapshot_uri" not in body:
         raise invalid("`snapshot_uri` is required", "snapshot_uri")
     body = _named_snapshot_resolved(body, snapshots_dir)
+    body = {**snapshot_serving_defaults(body["snapshot_uri"]), **body}
     values = {field: PARSERS[field](value) for field, value in body.items() if field != "name"}
     values = _with_speculative(values, snapshots_dir)
     values.setdefault("idle_timeout_s", default_idle_timeout_s)
@@ -313,6 +314,22 @@ def _with_speculative(values: dict[str, Any], snapshots_dir: Path) -> dict[str, 
         config = replace(config, draft_snapshot=draft.rstrip("/"))
     text = json.dumps(config.to_json(), sort_keys=True, separators=(",", ":"))
     return {**values, "speculative": text}
+
+
+def snapshot_serving_defaults(uri: Any) -> dict[str, Any]:
+    """The settings a local snapshot's manifest gives its deployments by default (a catalog
+    model's ``serving``: ``hotpool models pull`` writes them), for what a request leaves out;
+    nothing for an s3:// snapshot (not read here) or one without them."""
+    if not isinstance(uri, str) or not uri.startswith("file:///"):
+        return {}
+    serving = _check_local_snapshot(uri).get("serving")
+    if not isinstance(serving, dict):
+        return {}
+    return {k: v for k, v in serving.items() if k in SERVING_DEFAULTS}
+
+
+# What a snapshot's manifest may set by default (the answer bounds and the weights' form).
+SERVING_DEFAULTS = frozenset({"quantization", "default_max_tokens", "max_tokens_limit"})
 
 
 def _check_local_snapshot(uri: str) -> dict[str, Any]:

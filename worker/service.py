@@ -23,7 +23,12 @@ from hotpool.kernels import cpu_ops, quant_ops
 from hotpool.worker.capacity import CapacityMeter
 from hotpool.worker.choices import Choices, engine_requests
 from hotpool.worker.engine.async_engine import AsyncEngine
-from hotpool.worker.engine.base import CONTEXT_LENGTH_EXCEEDED, EngineRequest, RequestRejected
+from hotpool.worker.engine.base import (
+    BASE_MODEL_CHAT,
+    CONTEXT_LENGTH_EXCEEDED,
+    EngineRequest,
+    RequestRejected,
+)
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
 from hotpool.worker.engine.spec.draft import DraftModelProposer
 from hotpool.worker.engine.spec.proposer import Proposer
@@ -65,6 +70,7 @@ class LoadedModel:
     host_key: HostKey
     pinned: bool  # holds a pin on its snapshot in the disk cache
     _grammars: Future[GrammarCompiler] | None = None
+    kind: str | None = None  # the manifest's: ``base`` models refuse chat requests
     # Its engine's tokens/s by step size, from the steps after warm-up (the heartbeat's).
     capacity: CapacityMeter = field(default_factory=CapacityMeter)
 
@@ -187,7 +193,7 @@ class WorkerService:
             raise
         loaded = LoadedModel(
             req.deployment, manifest.digest, tokenizer, AsyncEngine(engine), model, key, pinned,
-            _grammars=grammars,
+            _grammars=grammars, kind=manifest.kind,
         )  # fmt: skip
         result = LoadResult(
             req.deployment, manifest.digest, tier != "remote", phases, tier,
@@ -277,6 +283,13 @@ class WorkerService:
             req.params.validate()  # `n` is checked here: each choice's engine request has n=1
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None
+        if req.messages is not None and loaded.kind == "base":
+            raise RequestRejected(
+                f"deployment {loaded.deployment!r} serves a base model: it continues a prompt and "
+                "does not follow a chat (its answers to one are not usable); send a `prompt` "
+                "to /v1/completions, or deploy an instruct model for chat",
+                BASE_MODEL_CHAT,
+            )
         tok = loaded.tokenizer
         least = fewest_tokens(prompt_bytes(req), tok.max_token_bytes)
         limit = loaded.engine.engine.max_model_len

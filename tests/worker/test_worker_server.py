@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,11 @@ from hotpool.worker.engine.llm_engine import EngineConfig
 from hotpool.worker.server import build_worker_app
 from hotpool.worker.service import WorkerService
 from hotpool.worker.snapshot.cache import SnapshotCache
+from hotpool.worker.snapshot.manifest import (
+    MANIFEST_NAME,
+    read_manifest,
+    write_manifest,
+)
 
 TOKEN = "test-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -196,3 +204,26 @@ def test_metrics_show_the_engine(worker: TestClient) -> None:
     ]
     for name in names:
         assert name in text, name
+
+
+def test_a_base_model_refuses_a_chat_with_a_400_naming_completions(
+    tmp_path: Path, smollm2_snapshot_bf16: Path
+) -> None:
+    """A snapshot whose manifest says ``kind: base`` (a catalog base model, pulled) answers
+    a chat with a clear 400, not with junk; a prompt is served as ever."""
+    folder = tmp_path / "base"
+    shutil.copytree(smollm2_snapshot_bf16, folder, copy_function=os.link)
+    (folder / MANIFEST_NAME).unlink()  # a link: rewrite it, not the shared one
+    manifest = read_manifest(smollm2_snapshot_bf16 / MANIFEST_NAME)
+    write_manifest(folder, replace(manifest, kind="base"))  # the same files
+    service = WorkerService(SnapshotCache(tmp_path / "cache"), torch.device("cpu"), EngineConfig())
+    with TestClient(build_worker_app(service, TOKEN, "w-base")) as client:
+        body = {"deployment": "b", "snapshot_uri": f"file://{folder}"}
+        assert client.post("/load", json=body, headers=AUTH).status_code == 200
+        chat = {"request_id": "c1", "messages": [{"role": "user", "content": "Hi"}]}
+        r = client.post("/generate", json=chat, headers=AUTH)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "model_not_chat"
+        assert "base model" in r.text and "/v1/completions" in r.text
+        prompt = {"request_id": "p1", "prompt": "Once upon a time", "params": {"max_tokens": 2}}
+        assert _events(client, prompt)[-1]["usage"]["completion_tokens"] == 2

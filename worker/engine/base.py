@@ -15,6 +15,7 @@ from hotpool.worker.engine.grammar import TokenGrammar
 from hotpool.worker.protocol import FinishReason, SamplingParams
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a request too long
+BASE_MODEL_CHAT = "model_not_chat"  # a chat request to a base model (no OpenAI code fits)
 
 
 class RequestRejected(ValueError):

@@ -18,6 +18,7 @@ from hotpool.worker.snapshot.errors import SnapshotError
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
+KINDS = ("base", "instruct")
 CHUNK_BYTES = 1 << 20
 
 
@@ -42,6 +43,16 @@ class Manifest:
     # GGUF block types the snapshot keeps as they are (``gguf_blocks``), which deployments
     # with ``quantization: gguf`` serve; empty for snapshots without them.
     quantized: tuple[str, ...] = ()
+    # ``base`` (continues text: /v1/completions) or ``instruct`` (follows a chat); None when
+    # the snapshot's maker did not say (a folder or GGUF pushed as is).
+    kind: str | None = None
+    # What a deployment of it gets for the settings its request leaves out, as JSON text of
+    # an object ({"quantization": "gguf", "default_max_tokens": 512}): the catalog's choice.
+    serving: str | None = None
+
+    @property
+    def serving_defaults(self) -> dict[str, Any]:
+        return json.loads(self.serving) if self.serving else {}
 
     def _body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -53,6 +64,10 @@ class Manifest:
         }
         if self.quantized:  # absent otherwise: earlier manifests keep their digests
             body["quantized"] = list(self.quantized)
+        if self.kind is not None:  # the same
+            body["kind"] = self.kind
+        if self.serving is not None:
+            body["serving"] = self.serving_defaults
         return body
 
     @property
@@ -88,6 +103,8 @@ class Manifest:
                 files=files,
                 total_bytes=int(data["total_bytes"]),
                 quantized=_quantized(data.get("quantized", [])),
+                kind=_kind(data.get("kind")),
+                serving=_serving(data.get("serving")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise SnapshotError(f"malformed manifest: {exc!r}") from None
@@ -104,6 +121,20 @@ class Manifest:
                 f"{manifest.digest} (manifest edited by hand or corrupted)"
             )
         return manifest
+
+
+def _kind(value: object) -> str | None:
+    if value is None or value in KINDS:
+        return value  # type: ignore[return-value]
+    raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {value!r}")
+
+
+def _serving(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError("serving must be an object")
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 def _quantized(value: object) -> tuple[str, ...]:
@@ -142,7 +173,12 @@ def hash_file(path: Path) -> tuple[int, str]:
 
 
 def build_manifest(
-    folder: Path, architecture: str, dtype: str, quantized: tuple[str, ...] = ()
+    folder: Path,
+    architecture: str,
+    dtype: str,
+    quantized: tuple[str, ...] = (),
+    kind: str | None = None,
+    serving: dict[str, Any] | None = None,
 ) -> Manifest:
     """Hash every file under ``folder`` (recursively, sorted, except ``manifest.json``)."""
     paths = sorted(
@@ -163,6 +199,8 @@ def build_manifest(
         files=tuple(files),
         total_bytes=sum(f.size for f in files),
         quantized=quantized,
+        kind=_kind(kind),
+        serving=_serving(serving),
     )
 
 

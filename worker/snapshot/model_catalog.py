@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import PurePosixPath
@@ -17,9 +17,12 @@ from typing import Any
 
 from hotpool.worker.snapshot.chat_settings import ChatSettings
 from hotpool.worker.snapshot.errors import SnapshotError
+from hotpool.worker.snapshot.manifest import KINDS
 
 FORMAT_VERSION = 1
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# The deployment settings a catalog entry may choose (checked again when a deployment is made).
+SERVING_FIELDS = frozenset({"quantization", "default_max_tokens", "max_tokens_limit"})
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,15 @@ class CatalogModel:
     gguf_sha256: str
     parts: tuple[GgufPart, ...]
     chat: ChatSettings
+    kind: str  # ``base`` or ``instruct`` (hotpool.worker.snapshot.manifest.KINDS)
+    # A deployment's settings by default, written into the snapshot's manifest at pull: the
+    # fastest the project measures within its quality budget (docs/models.md).
+    serving: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def keeps_blocks(self) -> bool:
+        """Whether a pull keeps the GGUF's blocks by default: its deployments serve them."""
+        return self.serving.get("quantization") == "gguf"
 
 
 def catalog() -> dict[str, CatalogModel]:
@@ -85,6 +97,12 @@ def _model(name: str, entry: dict[str, Any], root: Traversable) -> CatalogModel:
         raise ValueError(f"{name}: gguf.path {str(path)!r} must stay inside the download folder")
     if not _SHA256.fullmatch(str(gguf["sha256"])):
         raise ValueError(f"{name}: gguf.sha256 is not 64 lower-case hex digits")
+    kind = entry["kind"]
+    if kind not in KINDS:
+        raise ValueError(f"{name}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    serving = entry.get("serving", {})
+    if not isinstance(serving, dict) or set(serving) - SERVING_FIELDS:
+        raise ValueError(f"{name}: serving may set only {', '.join(sorted(SERVING_FIELDS))}")
     template_file = entry.get("chat_template")
     template = (root / str(template_file)).read_text() if template_file else None
     return CatalogModel(
@@ -95,4 +113,6 @@ def _model(name: str, entry: dict[str, Any], root: Traversable) -> CatalogModel:
         gguf_sha256=str(gguf["sha256"]),
         parts=parts,
         chat=ChatSettings(template, tuple(str(t) for t in entry.get("eos_tokens", ()))),
+        kind=str(kind),
+        serving=dict(serving),
     )

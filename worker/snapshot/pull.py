@@ -7,6 +7,7 @@ builds) are never needed, so each wheel is downloaded alone.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from hotpool.worker.snapshot.errors import SnapshotError
 from hotpool.worker.snapshot.gguf import DTYPES
@@ -99,15 +101,18 @@ def pull_model(
     name: str | None = None,
     dtype: str = "bf16",
     download_dir: Path | None = None,
-    keep_blocks: bool = False,
+    keep_blocks: bool | None = None,
+    keep_downloads: bool = False,
 ) -> tuple[str, Manifest]:
     """Convert ``model`` (a catalog name or entry) to a snapshot at
     ``<store_url>/snapshots/<name>`` (``name`` defaults to the model's); return (URI, manifest).
 
     ``store_url`` is the object store's root URI, e.g. ``file:///root/.hotpool/objects`` or
-    ``s3://bucket/hotpool``. ``download_dir`` keeps the wheels and the GGUF between runs
-    (default ``~/.cache/hotpool``). ``keep_blocks`` keeps the GGUF's quantized blocks too,
-    for deployments with ``quantization: gguf``.
+    ``s3://bucket/hotpool``. ``download_dir`` holds the wheels and the GGUF (default
+    ``~/.cache/hotpool``); they are removed once the snapshot is pushed (the snapshot is
+    what is served) unless ``keep_downloads``. ``keep_blocks`` keeps the GGUF's quantized
+    blocks too, for deployments with ``quantization: gguf``; None: when the catalog's
+    serving settings use them. The manifest records the catalog's kind and serving settings.
     """
     entry = catalog_model(model) if isinstance(model, str) else model
     name = name or entry.name
@@ -115,9 +120,33 @@ def pull_model(
         raise SnapshotError(f"snapshot name {name!r} must be letters, digits, '.', '_' or '-'")
     if dtype not in DTYPES:
         raise SnapshotError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    gguf_path = model_gguf(entry, download_dir or default_download_dir())
+    download_dir = download_dir or default_download_dir()
+    gguf_path = model_gguf(entry, download_dir)
     uri = snapshot_uri(store_url, name)
-    return uri, push_gguf(gguf_path, uri, dtype, entry.chat, keep_blocks)
+    blocks = entry.keeps_blocks if keep_blocks is None else keep_blocks
+    serving = entry.serving if blocks else _without_gguf(entry.serving)
+    manifest = push_gguf(gguf_path, uri, dtype, entry.chat, blocks, entry.kind, serving)
+    if not keep_downloads:
+        remove_downloads(entry, download_dir)
+    return uri, manifest
+
+
+def _without_gguf(serving: dict[str, Any]) -> dict[str, Any]:
+    """The serving settings of a snapshot pulled without its GGUF blocks: gguf cannot be."""
+    return {k: v for k, v in serving.items() if (k, v) != ("quantization", "gguf")}
+
+
+def remove_downloads(entry: CatalogModel, download_dir: Path) -> int:
+    """Remove ``entry``'s wheels and GGUF from ``download_dir``; the bytes freed."""
+    freed = 0
+    gguf = download_dir / entry.gguf_path
+    for path in [*(download_dir / w for w in entry.wheels.values()), gguf]:
+        with contextlib.suppress(FileNotFoundError):
+            freed += path.stat().st_size
+            path.unlink()
+    with contextlib.suppress(OSError):  # only when empty: other files are not ours
+        gguf.parent.rmdir()
+    return freed
 
 
 def snapshot_uri(store_url: str, name: str) -> str:
@@ -135,10 +164,13 @@ def pull_smollm2(
     name: str = "smollm2",
     dtype: str = "bf16",
     download_dir: Path | None = None,
-    keep_blocks: bool = False,
+    keep_blocks: bool | None = None,
+    keep_downloads: bool = False,
 ) -> tuple[str, Manifest]:
     """:func:`pull_model` of the demo model, SmolLM2-135M-Instruct."""
-    return pull_model("smollm2", store_url, name, dtype, download_dir)
+    return pull_model(
+        "smollm2", store_url, name, dtype, download_dir, keep_blocks, keep_downloads
+    )
 
 
 def smollm2_uri(store_url: str, name: str = "smollm2") -> str:

@@ -9,6 +9,7 @@ import tempfile
 from collections import Counter
 from fnmatch import fnmatch
 from pathlib import Path
+from typing import Any
 
 from hotpool.worker.snapshot.chat_settings import ChatSettings
 from hotpool.worker.snapshot.errors import SnapshotError
@@ -95,10 +96,14 @@ def push_gguf(
     dtype: str = "bf16",
     chat: ChatSettings | None = None,
     keep_blocks: bool = False,
+    kind: str | None = None,
+    serving: dict[str, Any] | None = None,
 ) -> Manifest:
     """Convert a GGUF to a snapshot with ``dtype`` weights and push it to ``uri``; ``chat``
     supplies what the GGUF lacks (see :class:`ChatSettings`); ``keep_blocks`` keeps the
-    quantized blocks too, for ``quantization: gguf`` (the manifest lists their types)."""
+    quantized blocks too, for ``quantization: gguf`` (the manifest lists their types).
+    ``kind`` and ``serving``: what the manifest says of the model (base or instruct) and of
+    its deployments' default settings (a catalog model's; None for a GGUF pushed as is)."""
     if dtype not in DTYPES:
         raise SnapshotError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     with tempfile.TemporaryDirectory(prefix="hotpool-convert-") as tmp:
@@ -110,7 +115,7 @@ def push_gguf(
             raise SnapshotError(f"{gguf_path} is not a GGUF file hotpool can read: {exc}") from None
         architecture = str(_read_config(folder).get("model_type", "llama"))
         quantized = tuple(sorted(set(block_kinds(folder).values())))
-        manifest = build_manifest(folder, architecture, dtype, quantized)
+        manifest = build_manifest(folder, architecture, dtype, quantized, kind, serving)
         return push_snapshot(folder, uri, manifest)
 
 
