@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hotpool.billing.deployments import DeploymentSpec
+from hotpool.platform.answer_bounds import answer_bounds_json
 from hotpool.platform.auth import Principal, authorize, caller, owned
 from hotpool.platform.choices import collect_choices
 from hotpool.platform.errors import APIError
@@ -63,8 +64,9 @@ class _Shape:
         tool_calls: Sequence[dict[str, Any]] = (),
     ) -> dict[str, Any]:
         """One choice of a response (``final``) or of a chunk; ``first``: its first chunk.
-        ``tool_calls``: the message's calls (``final``) or the chunk's pieces of them; as
-        OpenAI's, the content beside them is null when there is no text."""
+        ``tool_calls``: the message's calls (``final``) or the chunk's pieces of them (at
+        most one per call: :func:`_tool_call_deltas`); as OpenAI's, the content beside them
+        is null when there is no text."""
         logprobs = self._logprobs(index, positions) if positions or final else None
         if not self.chat:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -204,11 +206,12 @@ async def _sse(
                     out.append(text_chunk(i, event.text))  # == chunk(shape.choice(...))
                     started.add(i)
                 elif event.text or not plain or i not in started:
+                    first, *more = _tool_call_deltas(event.tool_calls)
                     choice = shape.choice(
-                        i, event.text, None, event.logprobs, i not in started,
-                        tool_calls=event.tool_calls,
-                    )  # fmt: skip
+                        i, event.text, None, event.logprobs, i not in started, tool_calls=first
+                    )
                     out.append(chunk(choice))
+                    out.extend(chunk(shape.choice(i, "", None, tool_calls=d)) for d in more)
                     started.add(i)
                 finish = _finish(event.finish_reason)
                 if finish is not None:
@@ -236,6 +239,15 @@ async def _sse(
         await events.aclose()
 
 
+def _tool_call_deltas(pieces: Sequence[dict[str, Any]]) -> list[Sequence[dict[str, Any]]]:
+    """An event's ``delta.tool_calls`` pieces, one chunk's worth each, in OpenAI's order:
+    a call's header (``id``, ``type``, ``name``, empty ``arguments``) in a chunk of its
+    own, then its arguments. A client that reads ``delta.tool_calls[0]`` of each chunk (or
+    takes one entry per index) sees every piece; two of one call in a chunk hid the second.
+    No pieces: one empty group, for the chunk of the event's text."""
+    return [[p] for p in pieces] or [()]
+
+
 def _error_event(data: Callable[[dict[str, Any]], str], error: APIError, usage: Usage) -> str:
     """A stream's in-band error, with the usage it is billed for (``partial``: the tokens
     computed before it, as the ledger keeps them), so a client can see what it paid."""
@@ -244,7 +256,13 @@ def _error_event(data: Callable[[dict[str, Any]], str], error: APIError, usage: 
 
 def model_json(spec: DeploymentSpec) -> dict[str, Any]:
     created = int(spec.created_at.timestamp()) if spec.created_at else 0
-    return {"id": spec.name, "object": "model", "created": created, "owned_by": "hotpool"}
+    return {
+        "id": spec.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "hotpool",
+        "answers": answer_bounds_json(spec),  # hotpool's: how long an answer may be
+    }
 
 
 async def list_models(request: Request) -> Response:

@@ -10,6 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 from openai import OpenAI
+from openai.lib.streaming.chat import ChatCompletionStreamState
 from server_process import Server
 
 pytestmark = pytest.mark.slow
@@ -101,15 +102,31 @@ def test_a_streamed_tool_call(server: Server) -> None:
     calls: dict[int, dict[str, str]] = {}
     for chunk in chunks:
         for choice in chunk.choices:
-            for piece in choice.delta.tool_calls or ():
+            pieces = choice.delta.tool_calls or []
+            # OpenAI's order: one entry per call in a chunk, its header (id, type, name and
+            # empty arguments) first, then its arguments alone.
+            assert len({p.index for p in pieces}) == len(pieces), pieces
+            for piece in pieces:
+                assert piece.function is not None
+                if piece.index in calls:
+                    assert piece.id is None and piece.function.name is None
+                else:
+                    assert piece.type == "function" and piece.function.arguments == ""
                 call = calls.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
                 call["id"] += piece.id or ""
-                if piece.function is not None:
-                    call["name"] += piece.function.name or ""
-                    call["arguments"] += piece.function.arguments or ""
+                call["name"] += piece.function.name or ""
+                call["arguments"] += piece.function.arguments or ""
     assert calls and all(c["id"].startswith("call_") for c in calls.values())
     for c in calls.values():
         _valid(c["name"], c["arguments"])
+    # The openai package's own accumulator (what its `.stream()` helpers run) agrees.
+    state: ChatCompletionStreamState[None] = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    message = state.get_final_completion().choices[0].message
+    assert [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []] == [
+        (c["id"], c["name"], c["arguments"]) for c in calls.values()
+    ]
     finishes = [c.finish_reason for k in chunks for c in k.choices if c.finish_reason]
     assert finishes == ["tool_calls"]
     usage = chunks[-1].usage

@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from hotpool.platform.openai_routes import _collect, _Shape, _sse
 from hotpool.platform.schemas import CompletionCall, parse_chat, parse_completion
@@ -123,9 +125,47 @@ def test_streamed_tool_calls_are_delta_tool_calls_and_finish_with_tool_calls() -
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # A choice whose first event is a call: OpenAI's null content beside it.
     first = _stream(call, TOOL_EVENTS[2:])
+    header, arguments = TOOL_EVENTS[2].tool_calls
     assert first[0]["choices"][0]["delta"] == {
-        "role": "assistant", "content": None, "tool_calls": list(TOOL_EVENTS[2].tool_calls)
+        "role": "assistant", "content": None, "tool_calls": [header]
     }  # fmt: skip
+    assert first[1]["choices"][0]["delta"] == {"tool_calls": [arguments]}
+
+
+def test_streamed_tool_calls_come_in_openais_order_for_any_client() -> None:
+    """As OpenAI streams a call: a chunk with its header (``id``, ``type``, ``name``, empty
+    ``arguments``), then chunks with its arguments; never two entries of one call in one
+    chunk (a client that read ``delta.tool_calls[0]`` saw the header and lost the
+    arguments). The openai package's own accumulator gets each call whole."""
+    chunks = _stream(_call(True, 1, False, "tiny"), TOOL_EVENTS)
+    started: set[int] = set()
+    first_entries: dict[int, dict[str, str]] = {}  # what reading tool_calls[0] gives
+    for c in chunks:
+        entries = c["choices"][0]["delta"].get("tool_calls", [])
+        assert len({e["index"] for e in entries}) == len(entries), entries
+        for e in entries:
+            if e["index"] in started:  # after its header, only arguments
+                assert set(e) == {"index", "function"} and set(e["function"]) == {"arguments"}
+            else:
+                assert e["id"] and e["type"] == "function" and e["function"]["arguments"] == ""
+                started.add(e["index"])
+        if entries:
+            e = entries[0]
+            call = first_entries.setdefault(e["index"], {"name": "", "arguments": ""})
+            call["name"] += e["function"].get("name", "")
+            call["arguments"] += e["function"]["arguments"]
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in CALLS]
+    assert [(c["name"], c["arguments"]) for c in first_entries.values()] == want
+
+    state: ChatCompletionStreamState[None] = ChatCompletionStreamState()
+    events = [e for c in chunks for e in state.handle_chunk(ChatCompletionChunk.model_validate(c))]
+    message = state.get_final_completion().choices[0].message
+    assert message.content == "Let me look."
+    assert [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []] == [
+        (c["id"], *w) for c, w in zip(CALLS, want, strict=True)
+    ]
+    done = [(e.name, e.arguments) for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert done == want
 
 
 def _collected(events: list[GenerateEvent]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The structured-output compiler over a small word-level tokenizer: what masks allow, the
 bounded compile cache (one compile per schema, even when requests race for it), strict
-objects, and errors that say where."""
+objects and tools' closed arguments, numbers bounded to what int64 and float64 hold, and
+errors that say where."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from hotpool.worker.engine.grammar import token_bitmask
 from hotpool.worker.structured.grammar import GrammarCompiler, GrammarError, closed_objects
+from hotpool.worker.structured.tools import tool_constraint
 
 # A byte-level tokenizer of single characters, so that a schema's documents can be spelled
 # and masks read as sets of characters.
@@ -88,6 +90,40 @@ def test_strict_objects_take_no_keys_they_do_not_name(compiler: GrammarCompiler)
     assert len(_allowed(lax)) > 10  # JSON Schema's default: any other key too
 
 
+def test_an_object_spread_over_parts_keeps_the_keys_each_part_names(
+    compiler: GrammarCompiler,
+) -> None:
+    """The engine intersects an object's parts: closing each part of an ``allOf`` would
+    leave only ``{}``, and a closed ``anyOf`` branch would refuse the keys beside it."""
+    a, b = {"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}
+    assert _accepts(compiler, {"type": "object", "allOf": [a, b]}, '{"a":1,"b":2}')
+    beside = {"type": "object", "properties": {"k": {"type": "integer"}}, "anyOf": [a, b]}
+    assert _accepts(compiler, beside, '{"k":1,"a":2}')
+    alone = {"anyOf": [{"type": "object", **a}, {"type": "object", **b}]}
+    assert not _accepts(compiler, alone, '{"a":1,"b":2}')  # each branch whole: closed
+
+
+def test_tool_arguments_are_closed_unless_their_schema_opens_them(
+    compiler: GrammarCompiler,
+) -> None:
+    """Strict or not, a tool's arguments take the keys its schema names: they become the
+    function's keyword arguments. ``additionalProperties`` (true or a schema) opens them."""
+
+    def call(parameters: dict[str, object], arguments: str) -> bool:
+        tool = {"type": "function", "function": {"name": "weather", "parameters": parameters}}
+        m = compiler.matcher(tool_constraint([tool], "weather", False, "llama3_json") or "")
+        text = '{"name":"weather","parameters":' + arguments + "}"
+        return all(m.accept(PIECES.index(piece)) for piece in text) and m.accept(EOS)
+
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    nested = {"type": "object", "properties": {"at": city}}
+    assert call(city, '{"city":"paris"}') and call(city, "{}")
+    assert not call(city, '{"city":"paris","days":2}')
+    assert not call(nested, '{"at":{"city":"paris","x":1}}')  # nested objects too
+    assert call({**city, "additionalProperties": True}, '{"city":"paris","days":2}')
+    assert call({**city, "additionalProperties": {"type": "integer"}}, '{"days":2}')
+
+
 def test_errors_name_the_schema_path(compiler: GrammarCompiler) -> None:
     bad = {"type": "object", "properties": {"a": {"type": "array", "items": {"not": {}}}}}
     with pytest.raises(GrammarError, match=r"schema\.properties\.a\.items` is not supported"):
@@ -96,3 +132,40 @@ def test_errors_name_the_schema_path(compiler: GrammarCompiler) -> None:
         compiler.matcher(_schema({"$ref": "#/nowhere"}))
     with pytest.raises(GrammarError, match="malformed constraint"):
         compiler.matcher("{not json")
+
+
+def _accepts(compiler: GrammarCompiler, schema: object, text: str) -> bool:
+    """Whether the grammar of ``schema`` lets ``text`` through whole, and then an EOS."""
+    m = compiler.matcher(_schema(schema))
+    return all(m.accept(PIECES.index(piece)) for piece in text) and m.accept(EOS)
+
+
+def test_numbers_stop_at_what_int64_and_float64_hold(compiler: GrammarCompiler) -> None:
+    integer, number = {"type": "integer"}, {"type": "number"}
+    assert _accepts(compiler, integer, "-1234567890123456789")  # 19 digits: int64's width
+    assert not _accepts(compiler, integer, "12345678901234567890")
+    m = compiler.matcher(_schema(integer))
+    for piece in "1234567890123456789":
+        m.accept(PIECES.index(piece))
+    assert _allowed(m) == {"</s>"}  # the mask ends it: no 20th digit
+    for ordinary in ("0", "-12.5", "3.14159", "1e10", "59.999", "6.02e23", "1.6e-19"):
+        assert _accepts(compiler, number, ordinary), ordinary
+    assert _accepts(compiler, number, "1.2345678901234567")  # 17 digits: float64's precision
+    assert not _accepts(compiler, number, "1.23456789012345678")
+    assert not _accepts(compiler, number, "0.00000000000000000")  # zeros count: none forever
+    assert _accepts(compiler, number, "1e289") and not _accepts(compiler, number, "1e290")
+    assert not _accepts(compiler, number, "1e0001")  # at most 3 exponent digits
+    bounded = {"type": "number", "minimum": -60, "maximum": 60}
+    assert _accepts(compiler, bounded, "-59.999999999999999")
+    assert not _accepts(compiler, bounded, "59.9999999999999999")
+    # Digits in strings are text: unbounded, as a string's maxLength says.
+    assert _accepts(compiler, {"type": "string"}, '"' + "7" * 40 + '"')
+
+
+def test_a_schema_that_names_a_longer_number_still_gets_it(compiler: GrammarCompiler) -> None:
+    """The bound steps aside where the grammar allows nothing shorter: no keyword asks for
+    more digits, but a ``const`` or an ``enum`` leaves no choice."""
+    tiny = "0." + "0" * 299 + "1"  # 1e-300 as the grammar engine spells it
+    assert _accepts(compiler, {"const": 1e-300}, tiny)
+    assert _accepts(compiler, {"enum": [1e-300, 5]}, tiny)
+    assert not _accepts(compiler, {"type": "number"}, tiny)

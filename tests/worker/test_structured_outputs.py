@@ -1,19 +1,26 @@
 """Structured outputs through the worker with SmolLM2 (a weak model: the grammar, not the
 model, makes the JSON valid): twenty schemas at temperature 0 and 1, JSON mode, a batch
-where constrained and free requests run together, the compile cache, and schema errors."""
+where constrained and free requests run together, the compile cache, and schema errors.
+With a tiny random model behind SmolLM2's tokenizer (the weakest model there is: only the
+grammar ends its output): numbers and tool arguments that end where they must."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
 from structured_schemas import SCHEMAS
+from tiny_llama import TINY, tiny_model
 
+from hotpool.platform.choices import merge_tool_calls
 from hotpool.worker.engine.async_engine import AsyncEngine
 from hotpool.worker.engine.base import RequestRejected
 from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
@@ -38,6 +45,21 @@ def service(
     svc = WorkerService(SnapshotCache(tmp_path_factory.mktemp("cache")), CPU)
     svc.loaded = LoadedModel(
         "d", "digest", tok, AsyncEngine(engine), model, HostKey("digest", "bf16"), False
+    )
+    yield svc
+    svc.loaded.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_snapshot_bf16: Path
+) -> Iterator[WorkerService]:
+    tok = TextTokenizer(smollm2_snapshot_bf16)
+    model = tiny_model(cfg=replace(TINY, vocab_size=49152, eos_token_ids=tuple(tok.eos_token_ids)))
+    engine = LLMEngine(model, CPU, EngineConfig(kv_cache_bytes=16 << 20))
+    svc = WorkerService(SnapshotCache(tmp_path_factory.mktemp("cache")), CPU)
+    svc.loaded = LoadedModel(
+        "d", "digest", tok, AsyncEngine(engine), model, HostKey("digest", "fp32"), False
     )
     yield svc
     svc.loaded.engine.shutdown()
@@ -136,3 +158,66 @@ def test_a_schema_slower_to_compile_than_the_limit_is_refused_and_the_worker_goe
                                            temperature=0.0)])  # fmt: skip
     assert events[-1].finish_reason == "stop"
     json.loads(_text(events)[0])
+
+
+def _choices(events: list[GenerateEvent]) -> dict[int, list[GenerateEvent]]:
+    out: dict[int, list[GenerateEvent]] = {}
+    for e in events:
+        out.setdefault(e.index, []).append(e)
+    return out
+
+
+def test_numbers_end_within_what_a_float64_holds(tiny: WorkerService) -> None:
+    """A bounded number at temperature 1: the grammar bounds its integer part, not its
+    fraction, and a random model goes on writing digits. Every output is whole JSON within
+    ``max_tokens``, its number a finite float64 with at most 17 digits."""
+    schema = {
+        "type": "object",
+        "properties": {"t": {"type": "number", "minimum": -60, "maximum": 60}},
+        "required": ["t"],
+    }
+    req = _request("t", "The temperature?", _schema_format(schema), temperature=1.0,
+                   max_tokens=32, seed=3, n=16)  # fmt: skip
+    [events] = _run_all(tiny, [req])
+    choices = _choices(events)
+    assert len(choices) == 16
+    for i, choice in choices.items():
+        text, finish, _ = _text(choice)
+        assert finish == "stop", (i, text)
+        value = json.loads(text)["t"]
+        assert math.isfinite(value) and -60 <= value <= 60, (i, text)
+        assert len(re.sub(r"\D", "", text)) <= 17, (i, text)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        # Not strict, and additionalProperties unsaid; a bounded string, so that the random
+        # model's city ends (it would seldom pick the closing quote of ~49k tokens).
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+        },
+    },
+}
+
+
+def test_tool_arguments_take_only_the_keys_their_schema_names(tiny: WorkerService) -> None:
+    """A required call of a tool whose schema leaves ``additionalProperties`` unsaid, at
+    temperature 1: every call's arguments parse, with no key but ``city`` (JSON Schema's
+    default let the model invent keys, whose strings it seldom closed)."""
+    req = GenerateRequest(
+        "tool", SamplingParams(temperature=1.0, max_tokens=64, seed=5, n=8),
+        messages=(ChatMessage("user", "What is the weather in Paris?"),),
+        tools=json.dumps([WEATHER]), tool_choice="required", parallel_tool_calls=False,
+    )  # fmt: skip
+    [events] = _run_all(tiny, [req])
+    choices = _choices(events)
+    assert len(choices) == 8
+    for i, choice in choices.items():
+        calls: list[dict[str, object]] = []
+        merge_tool_calls(calls, [p for e in choice for p in e.tool_calls])
+        assert choice[-1].finish_reason == "tool_calls" and len(calls) == 1, (i, calls)
+        arguments = json.loads(calls[0]["function"]["arguments"])  # type: ignore[index]
+        assert isinstance(arguments, dict) and set(arguments) <= {"city"}, (i, arguments)

@@ -10,7 +10,9 @@ every step (no schema stalls a worker), and it has no dependencies.
 A :class:`GrammarCompiler` belongs to a loaded model (its tokenizer and vocabulary). A
 constraint (the worker's ``response_format`` JSON, or a Lark grammar) compiles into a
 pristine matcher kept in a bounded LRU cache by the constraint's hash; each request gets a
-``deep_copy`` of it (cheap: the lexer and its caches are shared).
+``deep_copy`` of it (cheap: the lexer and its caches are shared). Beside it each matcher
+runs a bound on the digits of the numbers it lets through (:mod:`.numbers`), which
+llguidance's own JSON numbers lack.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import llguidance
 import torch
 
 from hotpool.worker.engine.grammar import TokenGrammar
+from hotpool.worker.structured.numbers import START, NumberBound, State
+from hotpool.worker.structured.schemas import closed_objects
 
 CACHE_SIZE = 256  # compiled constraints kept per loaded model
 # llguidance's own limits, a little tighter than its defaults: a compile or a step past
@@ -43,17 +47,25 @@ class GrammarError(ValueError):
 
 
 class Matcher(TokenGrammar):
-    """One request's position in its grammar."""
+    """One request's position in its grammar, and in its numbers' bound."""
 
-    __slots__ = ("_m",)
+    __slots__ = ("_bound", "_m", "_state")
     _executor: llguidance.LLExecutor | None = None
     _executor_lock = threading.Lock()
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, bound: NumberBound) -> None:
         self._m = matcher
+        self._bound = bound
+        self._state: State = START
 
     def accept(self, token_id: int) -> bool:
-        return bool(self._m.consume_token(token_id))
+        state, within = self._bound.advance(self._state, token_id)
+        if not within and self._bound_leaves_a_choice():
+            return False  # the mask left it out: a number past the bound
+        if not self._m.consume_token(token_id):
+            return False
+        self._state = state
+        return True
 
     @property
     def is_terminated(self) -> bool:
@@ -77,6 +89,29 @@ class Matcher(TokenGrammar):
             executor.unsafe_compute_mask_ptr(
                 pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
             )
+        for g, row in rows:
+            if isinstance(g, Matcher):
+                g._narrow(bitmask[row])
+
+    def _narrow(self, row: torch.Tensor) -> None:
+        """Leave out of the grammar's ``row`` the tokens that would take a number past the
+        bound, unless they are all it allows (the schema asks for a longer number)."""
+        keep = self._bound.keep(self._state)
+        if keep is None:
+            return
+        narrowed = row[: keep.numel()] & keep
+        if narrowed.any():
+            row[: keep.numel()] = narrowed
+
+    def _bound_leaves_a_choice(self) -> bool:
+        """Whether the grammar allows a token within the bound here (as :meth:`_narrow`
+        decides for the mask)."""
+        keep = self._bound.keep(self._state)
+        if keep is None:
+            return True
+        row = torch.empty(keep.numel(), dtype=torch.int32)
+        self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        return bool((row & keep).any())
 
     @classmethod
     def _shared_executor(cls) -> llguidance.LLExecutor:
@@ -99,6 +134,7 @@ class GrammarCompiler:
         self._tok = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=eos or None
         )
+        self._bound = NumberBound(vocab_size, self._token_bytes)
         self._cache: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -126,7 +162,11 @@ class GrammarCompiler:
                     self._cache.pop(key, None)
                 entry.set_exception(exc)
         pristine = entry.result()
-        return Matcher(pristine.deep_copy())
+        return Matcher(pristine.deep_copy(), self._bound)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """What a token writes; nothing for a special one (an EOS writes no number)."""
+        return b"" if self._tok.is_special_token(token_id) else self._tok.decode_bytes([token_id])
 
     def _compile(self, constraint: str) -> llguidance.LLMatcher:
         try:
@@ -158,48 +198,6 @@ class GrammarCompiler:
             raise GrammarError(_explain(where, m.get_error(), spec.get("schema")))
         self.compiles += 1
         return m
-
-
-# Keywords whose value is a subschema, a list of them, or a map of names to them.
-_ONE = (
-    "items",
-    "additionalProperties",
-    "not",
-    "if",
-    "then",
-    "else",
-    "contains",
-    "propertyNames",
-    "unevaluatedItems",
-    "unevaluatedProperties",
-    "additionalItems",
-)
-_MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
-_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def closed_objects(schema: Any) -> Any:
-    """``schema`` with ``additionalProperties: false`` wherever an object schema leaves it
-    out: what ``strict`` means in OpenAI's structured outputs (which requires it stated) and
-    in xgrammar's default strict mode. Without it a weak model invents keys and never stops."""
-    if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _ONE:
-        if isinstance(out.get(key), dict):
-            out[key] = closed_objects(out[key])
-    for key in _MANY:
-        if isinstance(out.get(key), list):
-            out[key] = closed_objects(out[key])
-    for key in _MAP:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
-    is_object = out.get("type") == "object" or "properties" in out
-    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def _explain(where: str, error: str, schema: Any) -> str:

@@ -3,9 +3,11 @@
 A :class:`ToolCallParser` takes the text the detokenizer releases, piece by piece, and gives
 back the content to stream and the pieces of each tool call it completes. A call goes out
 once whole (its JSON must parse): a first piece with its ``id``, ``type`` and ``name`` and
-empty ``arguments``, then one with the arguments as compact JSON. Text that may still turn
-out to open a call is held back; whitespace around calls is dropped (it separates calls);
-a block that does not hold a call (bad JSON, no name) stays content, as it was written.
+empty ``arguments``, then one with the arguments as compact JSON (the control plane streams
+each piece in a chunk of its own, in OpenAI's order: ``hotpool.platform.openai_routes``).
+Text that may still turn out to open a call is held back; whitespace around calls is
+dropped (it separates calls); a block that does not hold a call (bad JSON, no name) stays
+content, as it was written.
 """
 
 from __future__ import annotations

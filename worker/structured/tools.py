@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from hotpool.worker.protocol import ChatMessage, message_json
+from hotpool.worker.structured.schemas import closed_objects
 
 ToolFormat = Literal["hermes", "llama3_json"]
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
@@ -142,7 +143,11 @@ def tool_constraint(
     :class:`~hotpool.worker.structured.grammar.GrammarCompiler`) of a ``tool_choice``:
     ``required``, one call of any tool (one or more with ``parallel``); a function's name,
     exactly one call of it. None for ``auto`` and ``none``: the model is free. Each call's
-    arguments follow its function's ``parameters`` schema."""
+    arguments follow its function's ``parameters`` schema, its objects closed
+    (:func:`~hotpool.worker.structured.schemas.closed_objects`) whether ``strict`` or not:
+    the arguments become a function's keyword arguments, and a key it does not name breaks
+    the call. An object takes other keys only where its schema says so
+    (``additionalProperties: true`` or a schema for them)."""
     if choice in ("auto", "none"):
         return None
     functions = [function_of(t) for t in tools]
@@ -172,7 +177,8 @@ def _call_schema(function: dict[str, Any], key: str) -> dict[str, Any]:
         arguments: dict[str, Any] = NO_ARGUMENTS
     else:
         # Its local references now start under the call's key.
-        arguments = {"type": "object", **_rebase(parameters, f"#/properties/{key}")}
+        closed = closed_objects({"type": "object", **parameters})
+        arguments = _rebase(closed, f"#/properties/{key}")
     return {
         "type": "object",
         "properties": {"name": {"const": function.get("name")}, key: arguments},
