@@ -168,9 +168,7 @@ def pull_smollm2(
     keep_downloads: bool = False,
 ) -> tuple[str, Manifest]:
     """:func:`pull_model` of the demo model, SmolLM2-135M-Instruct."""
-    return pull_model(
-        "smollm2", store_url, name, dtype, download_dir, keep_blocks, keep_downloads
-    )
+    return pull_model("smollm2", store_url, name, dtype, download_dir, keep_blocks, keep_downloads)
 
 
 def smollm2_uri(store_url: str, name: str = "smollm2") -> str:
