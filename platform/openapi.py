@@ -918,7 +918,8 @@ HEADERS = {
         "schema": text("^req_[0-9a-f]{32}$"),
     },
     "x-hotpool-auth": {
-        "description": "`off` on every response in local-only mode (`HOTPOOL_AUTH=none`).",
+        "description": "`off` on every response in local-only mode (`HOTPOOL_AUTH=none`, or `auto` "
+        "on a loopback-only server).",
         "schema": const("off"),
     },
     "x-hotpool-version": {
@@ -1339,9 +1340,10 @@ prices and administration. Errors have OpenAI's shape, `{"error": {"message", "t
 Send an API key as `Authorization: Bearer hp_...` (`hotpool keys create` makes one). Each
 operation names the scope its key needs: `deploy`, `invoke`, `usage`, `admin` (which has
 them all, in its own tenant) or `operator` (every scope in every tenant: tenants, every
-tenant's keys and usage). In local-only mode (`HOTPOOL_AUTH=none`, the default on loopback)
-no key is needed: every caller is the default tenant with every scope, and every response
-carries `x-hotpool-auth: off`.
+tenant's keys and usage). In local-only mode (`HOTPOOL_AUTH=none`, or the default
+`HOTPOOL_AUTH=auto` on a server that listens on loopback only) no key is needed: every
+caller is the default tenant with every scope, and every response carries
+`x-hotpool-auth: off`.
 """
 
 DOCUMENT: dict[str, Any] = {

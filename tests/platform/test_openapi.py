@@ -419,3 +419,14 @@ def test_inputs_that_once_broke_the_server_are_400s(
     r = world.request(method, path, **kwargs)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_the_documented_local_only_mode_is_the_settings_default() -> None:
+    """The document and the README said different things of when no key is needed: both
+    name the default the settings have (`auto`, keyless on a loopback-only server)."""
+    default = load_settings({}).auth
+    assert default == "auto"
+    described = DOCUMENT["info"]["description"]
+    assert f"`HOTPOOL_AUTH={default}` on a server that listens on loopback only" in described
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert f"`HOTPOOL_AUTH` is `keys`, `none` or `{default}` (the default)" in readme
