@@ -132,6 +132,32 @@ def test_second_fetch_is_a_cache_hit(tmp_path: Path, pushed: str) -> None:
     assert cache_entries(tmp_path / "cache") == [first.manifest.digest]
 
 
+def test_a_local_store_on_the_same_file_system_is_linked_not_copied(
+    tmp_path: Path, pushed: str
+) -> None:
+    """The worker's cache of a file:// snapshot shares the store's bytes (no second copy on
+    disk, no write on a cold start), and removing it leaves the store whole."""
+    cache = SnapshotCache(tmp_path / "cache", max_bytes=1 << 20)
+    cached = cache.fetch(pushed)
+    stored = tmp_path / "objects" / "snapshots" / "tiny" / "model.safetensors"
+    assert (cached.path / "model.safetensors").stat().st_ino == stored.stat().st_ino
+    assert cache.evict(reserve=1 << 30) == [cached.manifest.digest]
+    assert stored.read_bytes() == b"w" * 5000
+
+
+def test_a_store_that_cannot_be_linked_is_copied(
+    tmp_path: Path, pushed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def cross_device(src: object, dst: object) -> None:  # another file system, as os.link
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(store_module.os, "link", cross_device)
+    cached = SnapshotCache(tmp_path / "cache").fetch(pushed)
+    stored = tmp_path / "objects" / "snapshots" / "tiny" / "model.safetensors"
+    assert (cached.path / "model.safetensors").stat().st_ino != stored.stat().st_ino
+    assert (cached.path / "model.safetensors").read_bytes() == b"w" * 5000
+
+
 def test_a_new_cache_instance_reuses_installed_snapshots(tmp_path: Path, pushed: str) -> None:
     SnapshotCache(tmp_path / "cache").fetch(pushed)
     assert SnapshotCache(tmp_path / "cache").fetch(pushed).cache_hit

@@ -99,15 +99,25 @@ class FileObjectStore(ObjectStore):
         self, key: str, dest: Path, chunk_cb: Callable[[bytes], None] | None = None
     ) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
+        path = self._path(key)
         try:
-            src = self._path(key).open("rb")
+            src = path.open("rb")
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise ObjectNotFoundError(f"no object {key!r} in {self.root}") from None
-        with src, dest.open("wb") as out:
-            while chunk := src.read(CHUNK_BYTES):
-                if chunk_cb is not None:
+        with src:
+            if _linked(path, dest):
+                # The same bytes, not a copy: a worker's cache on the store's file system
+                # costs no disk and no write (a 369 MB snapshot took 2.2 s of a cold start
+                # to copy). Safe to share: upload() replaces an object, never writes into it.
+                # Still read once, for the caller's hash.
+                while chunk_cb is not None and (chunk := src.read(CHUNK_BYTES)):
                     chunk_cb(chunk)
-                out.write(chunk)
+                return
+            with dest.open("wb") as out:
+                while chunk := src.read(CHUNK_BYTES):
+                    if chunk_cb is not None:
+                        chunk_cb(chunk)
+                    out.write(chunk)
 
     def upload(self, src: Path, key: str) -> None:
         target = self._path(key)
@@ -151,6 +161,16 @@ class FileObjectStore(ObjectStore):
         for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):
                 folder.rmdir()
+
+
+def _linked(src: Path, dest: Path) -> bool:
+    """Hard-link ``src`` at ``dest``; False where that cannot be (another file system, a
+    file system without links, a read-only store's permissions): then it is copied."""
+    try:
+        os.link(src, dest)
+    except OSError:
+        return False
+    return True
 
 
 def open_snapshot_uri(uri: str, s3: S3Config | None = None) -> tuple[ObjectStore, str]:
