@@ -80,7 +80,8 @@ def models_pull(
             target = snapshot_uri(store_url, name or model)
             objects, prefix = open_snapshot_uri(target)
             if objects.exists(prefix + MANIFEST_NAME):
-                click.echo(f"{target} is already there ({_kind_line(entry.kind)})")
+                click.echo(f"{target} is already there; {model} is {_kind_line(entry.kind)}")
+                _build_kernels()  # a no-op once built: the cached libraries load in ms
                 return
         t0 = time.perf_counter()
         uri, manifest = pull_model(
@@ -96,19 +97,30 @@ def models_pull(
         f"{uri}  digest {manifest.digest[:16]}  {_size(manifest.total_bytes)}"
         f"  ({time.perf_counter() - t0:.1f}s)"
     )
-    click.echo(f"{model}: {_kind_line(entry.kind)}")
+    click.echo(f"{model} is {_kind_line(entry.kind)}")
     if manifest.serving:
         settings_text = ", ".join(f"{k}={v}" for k, v in manifest.serving_defaults.items())
         click.echo(f"its deployments default to {settings_text} (override them at deploy)")
+    _build_kernels()
+
+
+def _build_kernels() -> None:
+    """The CPU kernels, compiled now if this machine has no build of them yet: a pull comes
+    before a first serve, whose first request would otherwise wait for the compiler."""
+    from hotpool.kernels import prebuild
+
+    seconds = prebuild.build_all()
+    if seconds >= 1:
+        click.echo(f"built the CPU kernels for this machine ({seconds:.1f}s, cached)")
 
 
 def _kind_line(kind: str) -> str:
     if kind == "base":
         return (
-            "a base model: it continues a prompt (POST /v1/completions) and does not follow"
-            " a chat; chat requests to it are refused"
+            "a base model (it continues a prompt: POST /v1/completions; it does not follow a"
+            " chat, and chat requests to it are refused)"
         )
-    return "an instruct model: chat with it (POST /v1/chat/completions)"
+    return "an instruct model (chat with it: POST /v1/chat/completions)"
 
 
 @click.group()

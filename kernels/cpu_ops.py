@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -62,6 +63,10 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "hp_greedy": (_P, ctypes.c_int, _I, _P, _I, _I, _P),
     "hp_sample": (_P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P),
 }
+
+
+# Held while a library is built or loaded (hotpool.kernels.prebuild builds them in a thread).
+BUILD_LOCK = threading.RLock()
 
 
 def cache_dir() -> Path:
@@ -606,7 +611,8 @@ def load() -> CpuOps | None:
     if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
         return None
     try:
-        return CpuOps(build(march=target_march()))
+        with BUILD_LOCK:  # the warm worker's prebuild and a load may ask at once: one build
+            return CpuOps(build(march=target_march()))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         log.warning("CPU kernels unavailable, using torch ops: %s", exc)
         return None

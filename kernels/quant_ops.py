@@ -14,6 +14,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -31,6 +32,8 @@ from hotpool.kernels.quant_weight import (
 )
 
 log = logging.getLogger(__name__)
+# Held while the library is built or loaded (see cpu_ops.BUILD_LOCK).
+BUILD_LOCK = threading.RLock()
 
 SOURCE = Path(__file__).with_name("quant_ops.c")
 # The files quant_ops.c includes (its AVX-512 parts): a change to any rebuilds the library.
@@ -202,7 +205,8 @@ def load() -> QuantOps | None:
     if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
         return None
     try:
-        return QuantOps(build(march=target_march()))
+        with BUILD_LOCK:  # the warm worker's prebuild and a load may ask at once: one build
+            return QuantOps(build(march=target_march()))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         log.warning("quantized linear C kernels unavailable, using torch: %s", exc)
         return None
