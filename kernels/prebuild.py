@@ -4,13 +4,12 @@ The C libraries (:mod:`cpu_ops`, :mod:`quant_ops`) are compiled once per machine
 the kernel cache, but that once used to be the first cold start: ~9 s of compiler on a 2-core
 machine inside a user's first request. ``hotpool models pull`` builds them (a pull is what
 comes before a first serve) and every CPU worker starts building them in a thread as soon as
-it starts, idle in the warm pool; a load that needs them meanwhile waits for that build (the
-modules' ``BUILD_LOCK``), never starts a second one.
+it starts, idle in the warm pool (:mod:`hotpool.worker.idle_prep`); a load that needs them
+meanwhile waits for that build (the modules' ``BUILD_LOCK``), never starts a second one.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,11 +25,3 @@ def build_all() -> float:
         for done in [pool.submit(cpu_ops.load), pool.submit(quant_ops.load)]:
             done.result()
     return time.perf_counter() - start
-
-
-def build_in_background() -> threading.Thread:
-    """:func:`build_all` in a daemon thread (the compiler runs as a child process: the
-    thread holds no GIL while it waits)."""
-    thread = threading.Thread(target=build_all, name="kernel-prebuild", daemon=True)
-    thread.start()
-    return thread

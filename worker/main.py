@@ -22,7 +22,7 @@ import uvicorn
 
 from hotpool.heap import settle_heap
 from hotpool.http_protocol import HeadCorkedHttpToolsProtocol
-from hotpool.kernels import prebuild
+from hotpool.worker import idle_prep
 from hotpool.worker.engine.llm_engine import EngineConfig
 from hotpool.worker.engine.prefix_events import PrefixReport
 from hotpool.worker.host_cache import HostModelCache
@@ -105,8 +105,7 @@ async def _main(opts: WorkerOptions) -> None:
     device = pick_device(opts.device)
     if device.type == "cuda":
         torch.cuda.init()
-    else:  # idle in the warm pool: the first load finds its kernels built
-        prebuild.build_in_background()
+    idle_prep.prepare_in_background(device)  # the first load's one-time costs, while idle
     service = WorkerService(
         SnapshotCache(opts.cache_dir, max_bytes=opts.snapshot_cache_bytes),
         device,

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hotpool.kernels import cpu_ops, prebuild, quant_ops
+from hotpool.worker import idle_prep
 
 
 @pytest.fixture
@@ -27,7 +29,7 @@ def empty_kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
 def test_a_background_build_and_a_load_meanwhile_compile_each_library_once(
     empty_kernel_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The warm worker's prebuild starts; a model load asks for the kernels while it runs:
+    """A worker starts, idle, building the kernels; a model load asks for the kernels while it runs:
     the load waits for that build and gets its library, no second compiler runs."""
     compiles: list[str] = []
     real_run = subprocess.run
@@ -37,7 +39,7 @@ def test_a_background_build_and_a_load_meanwhile_compile_each_library_once(
         return real_run(args, **kwargs)
 
     monkeypatch.setattr(subprocess, "run", counting_run)
-    thread = prebuild.build_in_background()
+    thread = idle_prep.prepare_in_background(torch.device("cpu"))  # a worker, starting
     ops, quant = cpu_ops.load(), quant_ops.load()  # what a load does, at once
     thread.join(timeout=300)
     assert ops is not None and quant is not None

@@ -69,3 +69,16 @@ def test_the_paged_cache_reports_when_its_pages_are_in() -> None:
     assert cache.populated.wait(timeout=60)
     assert cache.storage.data_ptr() % kv_memory.HUGE_PAGE == 0
     assert not cache.storage.any()
+
+
+@pytest.mark.skipif(not _populate_supported(), reason="MADV_POPULATE_WRITE needs Linux 5.14+")
+def test_population_waits_while_a_forward_pass_runs() -> None:
+    """A core zeroing pages held up every step of the forward pass beside it: the thread
+    populates nothing while a pass runs, and goes on once passes stop."""
+    t = kv_memory.zeros((16 * MIB,), torch.uint8)
+    with kv_memory.foreground():
+        done = kv_memory.populate_in_background(t)
+        assert not done.wait(timeout=0.5)
+        assert _resident_bytes(t.data_ptr()) < 4 * MIB  # not a page of it
+    assert done.wait(timeout=60)
+    assert _resident_bytes(t.data_ptr()) >= 16 * MIB

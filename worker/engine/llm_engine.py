@@ -36,6 +36,7 @@ from hotpool.worker.engine.scheduler import Scheduler, SchedulerConfig
 from hotpool.worker.engine.spec.lengths import CHEAP_ROW, ProposalLengths
 from hotpool.worker.engine.spec.proposer import ProposalInput, Proposer
 from hotpool.worker.engine.spec.switch import SpecSwitch
+from hotpool.worker.models import kv_memory
 from hotpool.worker.models.attention import PagedKVCache
 from hotpool.worker.models.llama import LlamaModel
 from hotpool.worker.protocol import SpeculativeConfig
@@ -278,12 +279,15 @@ class LLMEngine(Engine):
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        if self.proposer is not None:
-            self._propose()
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
-        result = self.runner.execute(plan)
+        # The forward passes (the draft model's too) keep the KV cache's background
+        # population off the cores they run on (kv_memory).
+        with kv_memory.foreground():
+            if self.proposer is not None:
+                self._propose()
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return []
+            result = self.runner.execute(plan)
         sampled = result.sampled
         outputs = []
         for request_id, why in result.failed.items():
