@@ -206,16 +206,33 @@ def snapshot_ls(uri_prefix: str | None) -> None:
         click.echo(f"no snapshots under {prefix}", err=True)
         return
     width = max(len(item.uri) for item in listings)
-    click.echo(f"{'URI':<{width}}  {'ARCH':<8} {'DTYPE':<5} {'SIZE':>9}  DIGEST")
+    click.echo(
+        f"{'URI':<{width}}  {'KIND':<8} {'ARCH':<8} {'DTYPE':<5} {'SIZE':>9} "
+        f"{'CACHED':>9} {'CACHE+':>9}  DIGEST"
+    )
     for item in listings:
         m = item.manifest
         if m is None:
             click.echo(f"{item.uri:<{width}}  unreadable: {item.error}")
-        else:
-            click.echo(
-                f"{item.uri:<{width}}  {m.architecture:<8} {m.dtype:<5} "
-                f"{_size(m.total_bytes):>9}  {m.digest[:16]}"
-            )
+            continue
+        cached, extra = _in_cache(settings.cache_dir / m.digest, m.total_bytes)
+        click.echo(
+            f"{item.uri:<{width}}  {m.kind or '-':<8} {m.architecture:<8} {m.dtype:<5} "
+            f"{_size(m.total_bytes):>9} {cached:>9} {extra:>9}  {m.digest[:16]}"
+        )
+    click.echo(
+        f"CACHED: in this host's worker cache ({settings.cache_dir}); CACHE+: the disk that"
+        " copy takes beyond the store (a few kB: linked to the local store's files)",
+        err=True,
+    )
+
+
+def _in_cache(folder: Path, size: int) -> tuple[str, str]:
+    from hotpool.worker.snapshot.cache import own_bytes
+
+    if not folder.is_dir():
+        return "-", "-"
+    return _size(size), _size(own_bytes(folder))
 
 
 @snapshot.command("inspect")

@@ -86,7 +86,7 @@ def test_db_upgrade_then_current(run: CliRunner, home: Path) -> None:
 
     result = invoke(run, "db", "upgrade")
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == "database at revision 0010"
+    assert result.stdout.strip() == "database at revision 0011"
     assert (home / "hotpool.db").is_file()
 
     result = invoke(run, "db", "current")
@@ -94,7 +94,7 @@ def test_db_upgrade_then_current(run: CliRunner, home: Path) -> None:
     assert result.stdout.strip() == "0011"
 
     # Upgrading again is a no-op.
-    assert invoke(run, "db", "upgrade").stdout.strip() == "database at revision 0010"
+    assert invoke(run, "db", "upgrade").stdout.strip() == "database at revision 0011"
 
 
 def test_db_upgrade_honours_database_url(run: CliRunner, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from hotpool.cli import main
 from hotpool.worker.snapshot import push as push_module
+from hotpool.worker.snapshot.cache import SnapshotCache
 from hotpool.worker.snapshot.push import folder_manifest
 
 
@@ -88,9 +89,12 @@ def test_push_ls_inspect_verify_rm(runner: CliRunner, base: str, tmp_path: Path)
     assert listed.exit_code == 0
     assert listed.stdout.splitlines()[1].split() == [
         uri,
+        "-",  # a folder pushed as is: its maker said nothing of base or instruct
         "llama",
         "bf16",
         *f"{expected.total_bytes / 1e3:.1f} kB".split(),
+        "-",  # in no worker's cache on this host
+        "-",
         expected.digest[:16],
     ]
 
@@ -136,6 +140,14 @@ def test_bare_names_live_in_the_local_object_store(runner: CliRunner, tmp_path: 
     listed = invoke(runner, "snapshot", "ls").stdout
     assert f"file://{local}" in listed
     assert invoke(runner, "snapshot", "verify", "tiny").exit_code == 0
+
+    # A worker on this host caches it: the same bytes, linked, cost the disk nothing more.
+    cached = SnapshotCache(tmp_path / "home" / "cache").fetch(f"file://{local}")
+    row = invoke(runner, "snapshot", "ls").stdout.splitlines()[1].split()
+    size = f"{cached.manifest.total_bytes / 1e3:.1f} kB".split()
+    assert row[4:8] == [*size, *size]  # SIZE, then CACHED
+    extra = float(row[8]) * {"B": 1, "kB": 1e3}[row[9]]  # CACHE+: its manifest file alone
+    assert extra == (local / "manifest.json").stat().st_size
 
 
 def test_push_a_gguf_converts_it_with_the_chosen_dtype(
@@ -240,7 +252,7 @@ def test_models_pull_if_missing_checks_any_store(
     )
 
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == f"{store}/snapshots/smol is already there"
+    assert result.stdout.startswith(f"{store}/snapshots/smol is already there; smollm2 is an")
 
 
 def test_models_pull_of_an_unknown_model_lists_the_catalog(runner: CliRunner) -> None:

@@ -294,6 +294,32 @@ def test_migration_0008_makes_each_deployment_its_stable_version(empty_db: Datab
     assert empty_db.current_revision() == HEAD
 
 
+def test_migration_0011_leaves_answers_unbounded_and_checks_the_bounds(
+    empty_db: Database,
+) -> None:
+    empty_db.upgrade("0010")
+    with empty_db.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO deployments (name, tenant_id, snapshot_uri, min_replicas, max_replicas,"
+            " target_concurrency, idle_timeout_s, created_at, updated_at, generation)"
+            " VALUES ('chat', 1, 'file:///s', 0, 1, 8, 300, '2025-01-01 00:00:00',"
+            " '2025-01-02 00:00:00', 1)"
+        )
+    empty_db.upgrade()
+    store = DeploymentStore(empty_db)
+    chat = store.get("chat")
+    assert chat is not None and (chat.default_max_tokens, chat.max_tokens_limit) == (None, None)
+    spec = store.update("chat", default_max_tokens=256, max_tokens_limit=1024)
+    assert spec.generation == 1  # not a new version: the control plane applies them
+    with pytest.raises(IntegrityError), empty_db.engine.begin() as conn:  # the database's own check
+        conn.exec_driver_sql("UPDATE deployments SET max_tokens_limit = 0")
+
+    empty_db.downgrade("0010")
+    assert "default_max_tokens" not in _columns(empty_db, "deployments")
+    empty_db.upgrade()
+    assert empty_db.current_revision() == HEAD
+
+
 def test_migration_0010_gives_deployments_and_versions_no_speculation(
     empty_db: Database,
 ) -> None:

@@ -62,6 +62,18 @@ class CacheEntry:
     last_used: float
 
 
+def own_bytes(folder: Path) -> int:
+    """The disk a cached snapshot takes for itself: its files that are no other file's
+    links (a file:// snapshot's are the store's, linked: they cost nothing more)."""
+    total = 0
+    for path in folder.rglob("*"):
+        with contextlib.suppress(OSError):  # evicted meanwhile
+            st = path.stat()
+            if path.is_file() and st.st_nlink == 1:
+                total += st.st_size
+    return total
+
+
 @dataclass
 class _Pin:
     count: int
