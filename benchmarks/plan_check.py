@@ -153,6 +153,12 @@ def run_plan_check(args: argparse.Namespace, cache: Path) -> int:
         probe: list[dict[str, Any]] = []
         _one(url, _prompt(rng, args.plan_words), 1, probe)
         prompt_tokens = probe[0]["prompt_tokens"]
+        # This checks the model on a measured curve, not an estimate of the prompts' prefill
+        # (pool/capacity.py, Rates.step_time): the calibration must have measured it.
+        if not rates.step_time(prompt_tokens).measured:
+            print(f"[plan-check] the calibration measured no prefill of {prompt_tokens}-token "
+                  f"prompts: curve {points}", flush=True)  # fmt: skip
+            return 1
         w = Workload(1.0, prompt_tokens, args.plan_output_tokens)
         top = _max_rate(w, rates)
         print(f"[plan-check] curve {points}; {prompt_tokens} prompt tokens; model's max "

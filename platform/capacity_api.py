@@ -1,6 +1,7 @@
 """``GET /v1/deployments/{name}/capacity``: what a deployment's replicas measured they can
-do (tokens/s by step size, from their engines' own steps), the backlog each holds, and the
-mean output its requests produce: what ``hotpool plan`` sizes a deployment with."""
+do (tokens/s by step size, from their engines' own steps), the backlog each holds, the
+device each runs on, and the mean output its requests produce: what ``hotpool plan`` sizes
+a deployment with (in GPUs, or CPU workers, as the devices say)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ async def get_capacity(request: Request) -> Response:
                 "queued_output_tokens": r.queued_output_tokens,
                 "backlog_seconds": backlog,
                 "kv_cache_usage": r.kv_cache_usage,
+                # What its worker runs on, as it registered ("cuda", "cpu"): a plan counts
+                # GPUs only where there are some.
+                "device": r.worker.device if r.worker else None,
             }
         )
     typical = mean_rates(measured)

@@ -523,6 +523,10 @@ COMPONENTS: dict[str, Schema] = {
         {
             "id": STR,
             "version": integer(1),
+            "device": {
+                **null(STR),
+                "description": "What its worker runs on, as it registered: `cuda` or `cpu`.",
+            },
             "curve": arr(ref("CapacityPoint")),
             "inflight": COUNT,
             "queued_prompt_tokens": integer(),

@@ -8,6 +8,9 @@ step of ``n`` tokens (interpolated between the step sizes it measured):
 - **Prefill** of a prompt is one step of ``S = P / at(P)`` seconds (the running streams'
   decode tokens ride in it, and prompts waiting together share one step: the engine's
   token budget takes them all), so prefill keeps the replica busy ``u_p = rate * S``.
+  Beyond the step sizes measured, ``S`` is estimated along the step time's slope
+  (``Rates.step_time``), or not at all: a plan says which, never claims a target
+  unreachable from an estimate, and asks for prompts to measure when it cannot tell.
 - **Decode** is a birth-death chain on the number ``B`` of streams decoding: with ``B``
   streams a step yields ``B`` tokens at ``at(B)`` tokens/s, so streams finish at
   ``at(B) / O`` a second, slowed to ``(1 - u_p)`` of that by the prefill steps they ride
@@ -33,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hotpool.pool.capacity import Rates
+from hotpool.pool.capacity import Rates, StepTime
 
 P95 = 0.95
 MAX_REPLICAS = 10_000
@@ -64,16 +67,31 @@ class Prediction:
 
 @dataclass(frozen=True)
 class Plan:
-    replicas: int | None  # None: no count meets the target (the prompt alone is too slow)
-    gpus: int | None
+    replicas: int | None  # None: no count meets the target, or the model cannot tell (why)
+    devices: int | None  # replicas x devices each: GPUs, or CPU workers
     prediction: Prediction | None  # per replica, at the planned count
     headroom: float
     why: str
+    prefill_measured: bool = True  # False: the prompt's prefill is estimated, or unknown
+
+    @property
+    def gpus(self) -> int | None:
+        """``devices`` by its older name, from before CPU pools were planned."""
+        return self.devices
+
+    @property
+    def unreachable(self) -> bool:
+        """No replica count meets the target, by what was measured: an estimate never says
+        so, as the next prompts measured may show it met."""
+        return self.replicas is None and self.prefill_measured
 
 
 def predict(w: Workload, r: Rates) -> Prediction:
-    """TTFT of one replica serving ``w`` (see the module's model)."""
-    s = w.prompt_tokens / r.at(w.prompt_tokens)
+    """TTFT of one replica serving ``w`` (see the module's model); ValueError when the
+    prompt's prefill was not measured near enough to estimate (``Rates.step_time``)."""
+    s = r.step_time(w.prompt_tokens).seconds
+    if s is None:
+        raise ValueError(f"prefill of {w.prompt_tokens}-token prompts has not been measured")
     u_prefill = w.rate * s
     unstable = Prediction(w.rate, math.inf, math.inf, math.inf, math.inf)
     if u_prefill >= 1:
@@ -124,16 +142,20 @@ def plan(
     r: Rates,
     ttft_p95: float,
     headroom: float = 0.3,
-    gpus_per_replica: int = 1,
+    devices_per_replica: int = 1,
 ) -> Plan:
     """The fewest replicas for ``w`` meeting ``ttft_p95`` at utilisation <= 1 - headroom."""
+    prefill = r.step_time(w.prompt_tokens)
+    if prefill.seconds is None:
+        why = (
+            f"prefill has not been measured yet: the replicas measured steps of up to "
+            f"{_tokens(prefill.largest)}, too few to tell a {w.prompt_tokens}-token prompt's; "
+            + _how_to_measure(w.prompt_tokens)
+        )
+        return Plan(None, None, None, headroom, why, prefill_measured=False)
     alone = predict(Workload(0.0, w.prompt_tokens, w.output_tokens), r)
     if alone.ttft_p95 > ttft_p95:
-        return Plan(
-            None, None, alone, headroom,
-            f"one prompt of {w.prompt_tokens} tokens alone takes {alone.ttft_p95:.2f}s to its "
-            f"first token on a replica, over the {ttft_p95:g}s target",
-        )  # fmt: skip
+        return _too_slow_alone(w, ttft_p95, headroom, alone, prefill)
     for n in range(1, MAX_REPLICAS + 1):
         p = predict(Workload(w.rate / n, w.prompt_tokens, w.output_tokens), r)
         if p.ttft_p95 <= ttft_p95 and p.utilization <= 1 - headroom:
@@ -141,5 +163,43 @@ def plan(
                 f"{n} replica(s) at {p.utilization:.0%} utilisation each "
                 f"(<= {1 - headroom:.0%}): TTFT p95 {p.ttft_p95:.2f}s <= {ttft_p95:g}s"
             )
-            return Plan(n, n * gpus_per_replica, p, headroom, why)
-    return Plan(None, None, None, headroom, f"more than {MAX_REPLICAS} replicas")
+            if not prefill.measured:
+                why += f"; {_estimated(prefill)}: {_how_to_measure(w.prompt_tokens)}"
+            return Plan(n, n * devices_per_replica, p, headroom, why, prefill.measured)
+    why = f"more than {MAX_REPLICAS} replicas"
+    return Plan(None, None, None, headroom, why, prefill.measured)
+
+
+def _too_slow_alone(
+    w: Workload, ttft_p95: float, headroom: float, alone: Prediction, prefill: StepTime
+) -> Plan:
+    """The plan when one prompt on an idle replica already misses the target: unreachable
+    if its prefill was measured; if estimated, what would tell."""
+    if prefill.measured:
+        why = (
+            f"one prompt of {w.prompt_tokens} tokens alone takes {alone.ttft_p95:.2f}s to its "
+            f"first token on a replica, over the {ttft_p95:g}s target"
+        )
+        return Plan(None, None, alone, headroom, why)
+    why = (
+        f"one prompt of {w.prompt_tokens} tokens alone would take ~{alone.ttft_p95:.2f}s to "
+        f"its first token on a replica, over the {ttft_p95:g}s target, but that is an "
+        f"estimate ({_estimated(prefill)}): {_how_to_measure(w.prompt_tokens)}"
+    )
+    return Plan(None, None, alone, headroom, why, prefill_measured=False)
+
+
+def _estimated(prefill: StepTime) -> str:
+    return f"prefill estimated from steps of up to {_tokens(prefill.largest)}"
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
+def _how_to_measure(prompt_tokens: int) -> str:
+    # A replica measures its prefill from the prompts it serves (worker/capacity.py).
+    return (
+        f"send the deployment a few requests with prompts of ~{prompt_tokens} tokens, "
+        "then plan again"
+    )

@@ -87,16 +87,19 @@ def test_push_ls_inspect_verify_rm(runner: CliRunner, base: str, tmp_path: Path)
 
     listed = invoke(runner, "snapshot", "ls", base)
     assert listed.exit_code == 0
-    assert listed.stdout.splitlines()[1].split() == [
-        uri,
-        "-",  # a folder pushed as is: its maker said nothing of base or instruct
-        "llama",
-        "bf16",
-        *f"{expected.total_bytes / 1e3:.1f} kB".split(),
-        "-",  # in no worker's cache on this host
-        "-",
-        expected.digest[:16],
-    ]
+    assert (
+        listed.stdout.splitlines()[1].split()
+        == [
+            uri,
+            "-",  # a folder pushed as is: its maker said nothing of base or instruct
+            "llama",
+            "bf16",
+            *f"{expected.total_bytes / 1e3:.1f} kB".split(),
+            "-",  # in no worker's cache on this host
+            "-",
+            expected.digest[:16],
+        ]
+    )
 
     inspected = invoke(runner, "snapshot", "inspect", uri)
     assert inspected.exit_code == 0

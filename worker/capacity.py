@@ -7,7 +7,10 @@ step budget); each bucket keeps exponentially weighted means of its steps' token
 seconds, and reports the point (mean tokens, mean tokens / mean seconds): so the curve
 follows a machine whose speed drifts (another tenant's job, thermal limits) within a few
 dozen steps. Prefill steps fill the large buckets, decode steps of B streams the bucket of
-B. Updated from the engine thread, read by the heartbeat: a dict replaced whole, so a
+B. A bucket of small steps is reported once it has seen a few of them; one of large steps
+from its first: a prompt is one step a request, spread over buckets by its length, so a few
+requests would otherwise show decode steps alone, and the planner would have no prefill to
+go by. Updated from the engine thread, read by the heartbeat: a dict replaced whole, so a
 reader sees one consistent curve.
 """
 
@@ -16,7 +19,9 @@ from __future__ import annotations
 import math
 
 ALPHA = 0.1  # weight of the newest step in its bucket's mean
-MIN_STEPS = 3  # a bucket is reported once it has seen this many steps
+MIN_STEPS = 3  # a bucket is reported once it has seen this many steps,
+# or one step of more than this many tokens: long enough to time (a prompt's prefill).
+ONE_STEP_TOKENS = 8
 
 
 class CapacityMeter:
@@ -38,6 +43,6 @@ class CapacityMeter:
         self._steps[bucket] = self._steps.get(bucket, 0) + 1
         curve = {}
         for b, (t, s) in sorted(self._means.items()):
-            if self._steps[b] >= MIN_STEPS:
+            if self._steps[b] >= MIN_STEPS or b > ONE_STEP_TOKENS:
                 curve[str(max(1, round(t)))] = round(t / s, 1)
         self.curve = curve

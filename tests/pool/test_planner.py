@@ -45,11 +45,61 @@ def test_a_plan_meets_the_target_with_the_headroom() -> None:
         assert p.prediction.utilization <= 0.7
     fewer = plan(Workload(10.0, 256, 16), CURVE, ttft_p95=2.0, headroom=0.1)
     assert fewer.replicas is not None and fewer.replicas <= big.replicas
-    assert plan(Workload(1.0, 256, 16), CURVE, 2.0, gpus_per_replica=8).gpus == 8 * (
-        plan(Workload(1.0, 256, 16), CURVE, 2.0).replicas or 0
+    eight = plan(Workload(1.0, 256, 16), CURVE, 2.0, devices_per_replica=8)
+    assert (
+        eight.devices == eight.gpus == 8 * (plan(Workload(1.0, 256, 16), CURVE, 2.0).replicas or 0)
     )
+    assert small.prefill_measured and "estimated" not in small.why
 
 
 def test_a_prompt_too_long_for_the_target_is_said_so() -> None:
+    # 1024 tokens: within the largest measured step's bucket (512 tokens at 800 tokens/s).
+    p = plan(Workload(1.0, 1024, 16), CURVE, ttft_p95=1.0)
+    assert p.replicas is None and p.unreachable and "1024 tokens alone takes 1.28s" in p.why
+
+
+def test_a_target_is_never_declared_unreachable_from_an_extrapolation() -> None:
+    # 8000 tokens is 16 times the largest step measured: only an estimate, over 2 s.
     p = plan(Workload(1.0, 8000, 16), CURVE, ttft_p95=2.0)
-    assert p.replicas is None and "8000 tokens alone takes" in p.why
+    assert p.replicas is None and not p.unreachable
+    assert "estimate" in p.why and "prompts of ~8000 tokens" in p.why
+
+
+# What a lightly used CPU replica reports after a few short chats: a lone stream's decode
+# steps (8.8 tokens/s), then also the prompts' prefill steps (~30 tokens each).
+DECODE_ONLY = rates({"1": 8.8})
+FIRST_CHATS = rates({"1": 8.8, "30": 150.0})
+assert DECODE_ONLY is not None and FIRST_CHATS is not None
+
+
+def test_a_replica_that_only_decoded_is_asked_for_prefill_not_declared_too_slow() -> None:
+    # Decode steps say nothing of a 200-token prompt: charging each prompt token a decode
+    # step made it "take 22.73 s" and the target unreachable.
+    p = plan(Workload(0.5, 200, 16), DECODE_ONLY, ttft_p95=2.0)
+    assert "alone takes" not in p.why
+    assert p.replicas is None and p.prediction is None and not p.unreachable
+    assert "prefill has not been measured yet" in p.why
+    assert "prompts of ~200 tokens" in p.why
+    assert DECODE_ONLY.step_time(200).seconds is None
+    with pytest.raises(ValueError, match="prefill"):
+        predict(Workload(0.5, 200, 16), DECODE_ONLY)
+
+
+def test_prefill_is_estimated_from_the_prompts_seen() -> None:
+    # A step costs a fixed part plus a part a token: 1/8.8 s for 1 token and 0.2 s for 30
+    # make ~0.71 s for 200 (not 200 / 150 tokens/s = 1.33 s, the 30-token step's rate).
+    p = plan(Workload(0.5, 200, 16), FIRST_CHATS, ttft_p95=1.0)
+    assert p.replicas is not None and p.prediction is not None
+    assert p.prediction.ttft_p95 <= 1.0 and not p.prefill_measured
+    assert "prefill estimated from steps of up to 30 tokens" in p.why
+    step = FIRST_CHATS.step_time(200)
+    assert step.seconds == pytest.approx(0.2 + 170 * (0.2 - 1 / 8.8) / 29) and not step.measured
+    assert FIRST_CHATS.step_time(60).measured  # within the largest measured step's bucket
+    # A replica that has prefilled a prompt but not decoded yet: a lone stream's step is
+    # no quicker than that prompt's, not as fast a token.
+    prefilled = rates({"30": 150.0})
+    assert prefilled is not None and prefilled.at(1) == pytest.approx(5.0)
+    assert prefilled.at(0.5) == prefilled.at(1) and prefilled.at(60) == 150.0
+    # Over the target by the estimate alone: not unreachable, but what would tell.
+    tight = plan(Workload(0.5, 200, 16), FIRST_CHATS, ttft_p95=0.5)
+    assert tight.replicas is None and not tight.unreachable and "~200 tokens" in tight.why

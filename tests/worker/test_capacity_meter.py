@@ -29,6 +29,18 @@ def test_steps_make_a_curve_of_tokens_per_second_by_step_size() -> None:
     assert set(meter.curve) == {"1", size}
 
 
+def test_a_prompt_step_is_reported_from_the_first_one() -> None:
+    # A few short chats make one prefill step each, of sizes spread over buckets: waiting
+    # for three of a bucket hid them, and the planner had only decode steps to go by.
+    meter = CapacityMeter()
+    for _ in range(MIN_STEPS):
+        meter.observe(0.11, 1)
+    meter.observe(0.2, 30)
+    assert meter.curve == {"1": 9.1, "30": 150.0}
+    meter.observe(0.06, 2)  # one decode step of two streams: too short to time alone
+    assert set(meter.curve) == {"1", "30"}
+
+
 @pytest.mark.parametrize(
     "capacity", [{"x": 1.0}, {"8": -1.0}, {"8": True}, ["8"], {str(i): 1.0 for i in range(40)}]
 )
