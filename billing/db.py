@@ -7,6 +7,7 @@ only differences live here, in how connections are set up.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from importlib.util import find_spec
@@ -22,6 +23,20 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+log = logging.getLogger("hotpool.ledger")
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """``logger`` at WARNING for the duration (its INFO lines are one step's detail)."""
+    target = logging.getLogger(logger)
+    level = target.level
+    target.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        target.setLevel(level)
 
 
 def migrations_dir() -> Path:
@@ -217,7 +232,13 @@ class Database:
         """Make the schema current: SQLite is upgraded on the spot (an embedded ledger); a
         server database must be upgraded on purpose, so :class:`StaleSchema` says to."""
         if self.is_sqlite:
-            self.upgrade()
+            with _quiet("alembic"):  # a line per migration, 16 for a new ledger: one says it
+                before = self.current_revision()
+                self.upgrade()
+                after = self.current_revision()
+            if before != after:
+                what = f"from {before} to" if before else "created at"
+                log.info("ledger database %s revision %s (%s)", what, after, self)
             return
         current, head = self.current_revision(), self.head_revision()
         if current != head:

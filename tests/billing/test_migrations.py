@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+import logging
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -507,3 +508,20 @@ def test_a_new_sqlite_ledger_and_its_wal_are_readable_by_their_owner_only(
             }
     finally:
         db.dispose()
+
+
+def test_a_new_sqlite_ledger_says_so_in_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`hotpool serve` on a new home made the ledger with a line per migration (16 of them
+    before the banner); one line says what happened instead, and nothing when nothing did."""
+    db = Database(f"sqlite:///{tmp_path / 'ledger.db'}")
+    with caplog.at_level(logging.INFO):
+        db.ensure_schema()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"ledger database created at revision {HEAD} ({db})"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        db.ensure_schema()
+    assert caplog.records == []
+    db.dispose()
