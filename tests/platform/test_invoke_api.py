@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from hotpool.billing.deployments import DeploymentSpec
+from hotpool.platform.answer_bounds import bounded
 from hotpool.platform.errors import APIError
 from hotpool.platform.invoke_api import parse_invoke
 from hotpool.worker.protocol import ChatMessage
@@ -36,10 +38,13 @@ def test_prompt_with_every_parameter() -> None:
 
 
 def test_defaults_follow_the_openai_routes() -> None:
-    prompt = parse_invoke({"prompt": "Once"}, "dep")
+    # max_tokens is left to the deployment's bounds, as on the OpenAI routes: without any,
+    # 16 for a prompt and up to the context for messages (platform/answer_bounds.py).
+    spec = DeploymentSpec("dep", "file:///dep")
+    prompt = bounded(parse_invoke({"prompt": "Once"}, "dep"), spec)
     assert (prompt.params.max_tokens, prompt.params.n, prompt.params.logprobs) == (16, 1, None)
     assert not prompt.stream
-    chat = parse_invoke({"messages": HI}, "dep")
+    chat = bounded(parse_invoke({"messages": HI}, "dep"), spec)
     assert chat.messages == (ChatMessage("user", "hi"),) and chat.params.max_tokens is None
 
 
