@@ -157,6 +157,10 @@ def test_models_pull_gemma3_names_and_verifies_the_snapshot_it_made(
     uri = f"{gemma3_pulled.store}/snapshots/gemma3-270m"
     assert gemma3_pulled.output.startswith(f"{uri}  digest {manifest.digest[:16]}  ")
     assert (manifest.architecture, manifest.dtype) == ("gemma3_text", "fp32")
+    # It says what the model is, and where to send it requests (the manifest keeps it).
+    said = gemma3_pulled.output.splitlines()[1]
+    assert "a base model" in said and "POST /v1/completions" in said
+    assert manifest.kind == "base" and manifest.serving_defaults == {"default_max_tokens": 256}
 
     result = run.invoke(main, ["snapshot", "verify", uri])
 
