@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from instant_workers import InstantBackend
 from snapshot_folders import snapshot_folder
 from starlette.testclient import TestClient
 
@@ -18,13 +19,11 @@ from hotpool.billing.db import Database
 from hotpool.billing.keys import KeyStore
 from hotpool.platform.app import build_services, create_app
 from hotpool.platform.services import Services
-from hotpool.pool.backend import WorkerBackend, WorkerHandle
 from hotpool.pool.local import LocalProcessBackend, LocalWorkerConfig
 from hotpool.pool.pool import WorkerPool
-from hotpool.pool.registry import WorkerRegistry
 from hotpool.pool.replica import Replica, ReplicaState
 from hotpool.settings import load_settings
-from hotpool.worker.protocol import LoadResult, WorkerInfo
+from hotpool.worker.protocol import LoadResult
 
 TOKEN = "t"
 
@@ -136,27 +135,6 @@ def test_summary_of_an_empty_ledger_lists_nothing(local: tuple[TestClient, str])
 
 
 # --- speculation's figures outlive the replicas -------------------------------------------
-
-
-class InstantBackend(WorkerBackend):
-    """Workers that register the moment they start: no process, no model (the pool's calls
-    to them are answered by :func:`_worker_api`)."""
-
-    def __init__(self) -> None:
-        self.registry = WorkerRegistry()  # replaced by the app's once it is built
-        self.running: set[str] = set()
-
-    async def start(self, worker_id: str) -> WorkerHandle:
-        self.running.add(worker_id)
-        info = WorkerInfo(worker_id, f"http://{worker_id}.test", 1, "cpu", 1)
-        asyncio.get_running_loop().call_soon(self.registry.register, info)
-        return WorkerHandle(worker_id, 1)
-
-    async def stop(self, handle: WorkerHandle, grace_s: float = 10.0) -> None:
-        self.running.discard(handle.worker_id)
-
-    def exit_reason(self, handle: WorkerHandle) -> str | None:
-        return None if handle.worker_id in self.running else "stopped"
 
 
 def _worker_api(request: httpx.Request) -> httpx.Response:

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from grafana_board import exposed_series, load_board, queried_metrics
+from instant_workers import InstantBackend
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.exc import OperationalError
 
@@ -22,7 +23,6 @@ from hotpool.billing.ledger import Ledger, UsageRecord
 from hotpool.platform.invoke import _Tally, _tally_event, _token_gap
 from hotpool.platform.ledger_writer import LedgerWriter
 from hotpool.platform.metrics import INTER_TOKEN_BUCKETS, Metrics
-from hotpool.pool.backend import WorkerBackend, WorkerHandle
 from hotpool.pool.pool import WorkerPool
 from hotpool.pool.registry import WorkerRegistry
 from hotpool.pool.replica import Replica, ReplicaState
@@ -31,26 +31,6 @@ from hotpool.worker.protocol import GenerateEvent, LoadResult, Usage, WorkerInfo
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 # `version`: a deployment version (one or two live at a time), never a request id.
 BOUNDED_LABELS = {"deployment", "version", "status", "kind", "phase", "state", "direction", "le"}
-
-
-class InstantBackend(WorkerBackend):
-    """Workers that register the moment they start (no process, no model)."""
-
-    def __init__(self, registry: WorkerRegistry) -> None:
-        self.registry = registry
-        self.running: set[str] = set()
-
-    async def start(self, worker_id: str) -> WorkerHandle:
-        self.running.add(worker_id)
-        info = WorkerInfo(worker_id, f"http://{worker_id}.test", 1, "cpu", 1)
-        asyncio.get_running_loop().call_soon(self.registry.register, info)
-        return WorkerHandle(worker_id, 1)
-
-    async def stop(self, handle: WorkerHandle, grace_s: float = 10.0) -> None:
-        self.running.discard(handle.worker_id)
-
-    def exit_reason(self, handle: WorkerHandle) -> str | None:
-        return None if handle.worker_id in self.running else "stopped"
 
 
 def _worker_api(request: httpx.Request) -> httpx.Response:

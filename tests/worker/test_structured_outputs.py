@@ -11,24 +11,20 @@ import json
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
+from loaded_service import loaded_service, tiny_service
 from structured_schemas import SCHEMAS
-from tiny_llama import TINY, tiny_model
 
 from hotpool.platform.choices import merge_tool_calls
-from hotpool.worker.engine.async_engine import AsyncEngine
 from hotpool.worker.engine.base import RequestRejected
-from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
-from hotpool.worker.host_cache import HostKey
+from hotpool.worker.engine.llm_engine import EngineConfig
 from hotpool.worker.models.loader import load_model
 from hotpool.worker.protocol import ChatMessage, GenerateEvent, GenerateRequest, SamplingParams
-from hotpool.worker.service import LoadedModel, WorkerService
-from hotpool.worker.snapshot.cache import SnapshotCache
+from hotpool.worker.service import WorkerService
 from hotpool.worker.tokenizer import TextTokenizer
 
 CPU = torch.device("cpu")
@@ -39,30 +35,19 @@ SYSTEM = ChatMessage("system", "Answer with JSON only.")
 def service(
     tmp_path_factory: pytest.TempPathFactory, smollm2_snapshot_bf16: Path
 ) -> Iterator[WorkerService]:
-    tok = TextTokenizer(smollm2_snapshot_bf16)
     model = load_model(smollm2_snapshot_bf16, CPU, torch.bfloat16)
-    engine = LLMEngine(model, CPU, EngineConfig(kv_cache_bytes=64 << 20, max_num_seqs=64))
-    svc = WorkerService(SnapshotCache(tmp_path_factory.mktemp("cache")), CPU)
-    svc.loaded = LoadedModel(
-        "d", "digest", tok, AsyncEngine(engine), model, HostKey("digest", "bf16"), False
-    )
-    yield svc
-    svc.loaded.engine.shutdown()
+    tok = TextTokenizer(smollm2_snapshot_bf16)
+    config = EngineConfig(kv_cache_bytes=64 << 20, max_num_seqs=64)
+    with loaded_service(model, tok, tmp_path_factory.mktemp("cache"), "bf16", config) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="module")
 def tiny(
     tmp_path_factory: pytest.TempPathFactory, smollm2_snapshot_bf16: Path
 ) -> Iterator[WorkerService]:
-    tok = TextTokenizer(smollm2_snapshot_bf16)
-    model = tiny_model(cfg=replace(TINY, vocab_size=49152, eos_token_ids=tuple(tok.eos_token_ids)))
-    engine = LLMEngine(model, CPU, EngineConfig(kv_cache_bytes=16 << 20))
-    svc = WorkerService(SnapshotCache(tmp_path_factory.mktemp("cache")), CPU)
-    svc.loaded = LoadedModel(
-        "d", "digest", tok, AsyncEngine(engine), model, HostKey("digest", "fp32"), False
-    )
-    yield svc
-    svc.loaded.engine.shutdown()
+    with tiny_service(smollm2_snapshot_bf16, tmp_path_factory.mktemp("cache")) as svc:
+        yield svc
 
 
 def _schema_format(schema: object) -> str:

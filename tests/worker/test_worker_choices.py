@@ -6,18 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from dataclasses import FrozenInstanceError, replace
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import pytest
 import torch
-from tiny_llama import TINY, tiny_model
+from loaded_service import tiny_service
 
 from hotpool.worker.choices import Choices
-from hotpool.worker.engine.async_engine import AsyncEngine
 from hotpool.worker.engine.base import EngineRequest, RequestOutput, RequestRejected
-from hotpool.worker.engine.llm_engine import EngineConfig, LLMEngine
-from hotpool.worker.host_cache import HostKey
 from hotpool.worker.protocol import (
     ChatMessage,
     GenerateEvent,
@@ -27,8 +24,7 @@ from hotpool.worker.protocol import (
     TokenLogprob,
     Usage,
 )
-from hotpool.worker.service import LoadedModel, WorkerService
-from hotpool.worker.snapshot.cache import SnapshotCache
+from hotpool.worker.service import WorkerService
 from hotpool.worker.tokenizer import TextTokenizer
 
 CPU = torch.device("cpu")
@@ -40,15 +36,8 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 4  # several full block
 def service(
     tmp_path_factory: pytest.TempPathFactory, smollm2_snapshot_bf16: Path
 ) -> Iterator[WorkerService]:
-    tok = TextTokenizer(smollm2_snapshot_bf16)
-    model = tiny_model(cfg=replace(TINY, vocab_size=49152, eos_token_ids=tuple(tok.eos_token_ids)))
-    engine = LLMEngine(model, CPU, EngineConfig(kv_cache_bytes=16 << 20))
-    svc = WorkerService(SnapshotCache(tmp_path_factory.mktemp("cache")), CPU)
-    svc.loaded = LoadedModel(
-        "d", "digest", tok, AsyncEngine(engine), model, HostKey("digest", "fp32"), False
-    )
-    yield svc
-    svc.loaded.engine.shutdown()
+    with tiny_service(smollm2_snapshot_bf16, tmp_path_factory.mktemp("cache")) as svc:
+        yield svc
 
 
 def _run(
