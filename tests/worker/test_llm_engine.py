@@ -350,3 +350,38 @@ def test_stats_report_load() -> None:
     s = engine.stats()
     assert (s.num_running, s.num_waiting) == (2, 2)
     assert 0 < s.kv_usage <= 1 and s.num_steps == 1 and s.last_step_tokens > 0
+
+
+def test_a_failed_forward_pass_leaves_no_prefix_for_a_later_request() -> None:
+    """A full block is registered in the prefix cache when it is allocated, before the pass
+    that writes its KV: when that pass raises, the block holds whatever was there. The
+    requests in the step fail, and a later request with the same prompt computes it anew
+    instead of being served those blocks."""
+    prompt = list(range(1, 41))  # two full blocks of 16, and 8 tokens more
+
+    async def main() -> tuple[BaseException | None, list[RequestOutput]]:
+        engine = AsyncEngine(_engine())
+        runner = engine.engine.runner
+        real = runner.execute
+
+        def failing(step: object) -> object:
+            runner.execute = real  # once  # type: ignore[method-assign]
+            raise RuntimeError("the forward pass failed")
+
+        runner.execute = failing  # type: ignore[method-assign]
+        try:
+            failed = None
+            try:
+                [o async for o in engine.generate(_req("first", prompt, max_tokens=2))]
+            except RuntimeError as exc:
+                failed = exc
+            again = [o async for o in engine.generate(_req("again", prompt, max_tokens=2))]
+            twice = [o async for o in engine.generate(_req("twice", prompt, max_tokens=2))]
+            return failed, [again[-1], twice[-1]]
+        finally:
+            engine.shutdown()
+
+    failed, (again, twice) = asyncio.run(main())
+    assert isinstance(failed, RuntimeError)
+    assert again.num_cached_tokens == 0  # nothing of the failed pass was served
+    assert twice.num_cached_tokens == 32  # and the cache works again: "again" filled it

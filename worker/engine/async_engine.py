@@ -169,8 +169,8 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as exc:  # a failed step fails the requests in it, not the worker
                 log.exception("engine step failed")
-                for rid, stream in list(self._streams.items()):
-                    self.engine.abort(rid)
+                self.engine.fail_all()  # and the prefixes its pass may have left garbage in
+                for stream in list(self._streams.values()):
                     stream.put(exc)
                 continue
             self._publish(outputs)

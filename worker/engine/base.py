@@ -82,3 +82,9 @@ class Engine(ABC):
 
     @abstractmethod
     def has_unfinished(self) -> bool: ...
+
+    @abstractmethod
+    def fail_all(self) -> list[str]:
+        """After a step that raised: drop every request (their ids are returned) and every
+        cached prefix, since blocks registered for that step's forward pass may hold
+        garbage. The engine is then as after warm-up, less its prefix cache."""

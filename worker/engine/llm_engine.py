@@ -9,6 +9,7 @@ forward pass verifies.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from hotpool.worker.models.llama import LlamaModel
 from hotpool.worker.protocol import SpeculativeConfig
 
 _GRAMMAR_FAULT = "the sampled token is not one the request's grammar allows; generation stopped"
+
+log = logging.getLogger("hotpool.engine")
 
 
 @dataclass(frozen=True)
@@ -276,6 +279,19 @@ class LLMEngine(Engine):
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def fail_all(self) -> list[str]:
+        ids = list(self.scheduler.requests)
+        for request_id in ids:
+            self.abort(request_id)
+        # A full block is registered in the prefix cache when it is allocated, before the
+        # pass that writes its KV (kv_cache_manager): after a failed pass it may hold
+        # anything, and a later request with that prefix would be served it.
+        if not self.kv_manager.reset_prefix_cache():
+            log.error("the prefix cache could not be reset: blocks are still held")
+        if self.proposer is not None:
+            self.proposer.reset()
+        return ids
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()

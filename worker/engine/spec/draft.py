@@ -93,6 +93,11 @@ class DraftModelProposer(Proposer):
         # Nothing per request outlives a step; the prefix cache forgets by eviction.
         return None
 
+    def reset(self) -> None:
+        # A failed step may have left drafts in the draft's engine, and its cache holds
+        # what they wrote.
+        self.engine.fail_all()
+
     def capture_decode_graphs(self) -> float:
         """The draft's k greedy steps a verification replay as the target's decodes do."""
         return self.engine.capture_decode_graphs()

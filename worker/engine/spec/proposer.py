@@ -66,6 +66,10 @@ class Proposer(ABC):
     def release(self, request_id: str) -> None:
         """Forget the request's state."""
 
+    def reset(self) -> None:  # noqa: B027 (optional: per-request state goes by release)
+        """Forget everything (the target's step failed, in this proposer or after it); the
+        target has released every request already."""
+
     def capture_decode_graphs(self) -> float:
         """Capture whatever the proposer replays (a draft model's decode graphs or kernel
         programs), when the target's engine captures its own; the seconds it took."""
