@@ -295,17 +295,21 @@ def test_migration_0008_makes_each_deployment_its_stable_version(empty_db: Datab
     assert empty_db.current_revision() == HEAD
 
 
+# A deployment row as revisions 0008-0010 hold it (no column added since).
+CHAT_AT_GENERATION_1 = (
+    "INSERT INTO deployments (name, tenant_id, snapshot_uri, min_replicas, max_replicas,"
+    " target_concurrency, idle_timeout_s, created_at, updated_at, generation)"
+    " VALUES ('chat', 1, 'file:///s', 0, 1, 8, 300, '2025-01-01 00:00:00',"
+    " '2025-01-02 00:00:00', 1)"
+)
+
+
 def test_migration_0011_leaves_answers_unbounded_and_checks_the_bounds(
     empty_db: Database,
 ) -> None:
     empty_db.upgrade("0010")
     with empty_db.engine.begin() as conn:
-        conn.exec_driver_sql(
-            "INSERT INTO deployments (name, tenant_id, snapshot_uri, min_replicas, max_replicas,"
-            " target_concurrency, idle_timeout_s, created_at, updated_at, generation)"
-            " VALUES ('chat', 1, 'file:///s', 0, 1, 8, 300, '2025-01-01 00:00:00',"
-            " '2025-01-02 00:00:00', 1)"
-        )
+        conn.exec_driver_sql(CHAT_AT_GENERATION_1)
     empty_db.upgrade()
     store = DeploymentStore(empty_db)
     chat = store.get("chat")
@@ -326,12 +330,7 @@ def test_migration_0010_gives_deployments_and_versions_no_speculation(
 ) -> None:
     empty_db.upgrade("0009")
     with empty_db.engine.begin() as conn:
-        conn.exec_driver_sql(
-            "INSERT INTO deployments (name, tenant_id, snapshot_uri, min_replicas, max_replicas,"
-            " target_concurrency, idle_timeout_s, created_at, updated_at, generation)"
-            " VALUES ('chat', 1, 'file:///s', 0, 1, 8, 300, '2025-01-01 00:00:00',"
-            " '2025-01-02 00:00:00', 1)"
-        )
+        conn.exec_driver_sql(CHAT_AT_GENERATION_1)
         conn.exec_driver_sql(
             "INSERT INTO deployment_versions (deployment_id, version, snapshot_uri, created_at)"
             " SELECT id, 1, snapshot_uri, updated_at FROM deployments"
