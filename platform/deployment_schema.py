@@ -24,7 +24,6 @@ from hotpool.billing.models import QUANTIZATIONS
 from hotpool.platform.errors import APIError, invalid, json_object
 from hotpool.snapshot_names import SnapshotNameError, is_bare_name, resolve_snapshot
 from hotpool.worker.protocol import RUNNABLE_MODEL_TYPES, SpeculativeConfig
-from hotpool.worker.snapshot.model_catalog import SERVING_FIELDS
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 # S3's bucket naming rule (what MinIO and other S3-compatible stores hold to as well), and a
@@ -326,7 +325,11 @@ def snapshot_serving_defaults(uri: Any) -> dict[str, Any]:
     serving = _check_local_snapshot(uri).get("serving")
     if not isinstance(serving, dict):
         return {}
-    return {k: v for k, v in serving.items() if k in SERVING_FIELDS}
+    return {k: v for k, v in serving.items() if k in SERVING_DEFAULTS}
+
+
+# What a snapshot's manifest may set by default (the answer bounds and the weights' form).
+SERVING_DEFAULTS = frozenset({"quantization", "default_max_tokens", "max_tokens_limit"})
 
 
 def _check_local_snapshot(uri: str) -> dict[str, Any]:
